@@ -1,0 +1,256 @@
+"""Hugging Face frontend: config.json + safetensors -> IR graph, weights left memory-mapped.
+
+Families: llama (incl. Llama-3 rope scaling, explicit head_dim, tied embeddings), mistral
+(sliding window honoured), qwen2 (q/k/v bias, per-layer sliding window), gpt2 (LayerNorm, learned
+positions, Conv1D weights stored transposed, gelu_new).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelFormatError, UnsupportedError
+from ..ir import Graph, TensorType, Value, Weight
+from .checkpoint import TensorEntry, read_checkpoint
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+FAMILIES = LLAMA_LIKE + ("gpt2",)
+_TORCH_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A model directory, or a ``model.safetensors`` path with ``config.json`` beside it."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelFormatError(f"{p}: no such file or directory")
+    model_dir = p.parent if p.is_file() else p
+    if p.is_file() and p.suffix != ".safetensors":
+        raise ModelFormatError(f"{p}: expected a model directory or a .safetensors file")
+    if not (model_dir / "config.json").is_file():
+        raise ModelFormatError(f"{model_dir / 'config.json'}: file not found (a Hugging Face checkpoint needs it)")
+    return model_dir
+
+
+def load_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelFormatError(f"{path}: malformed JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ModelFormatError(f"{path}: malformed config: expected a JSON object")
+    return config
+
+
+def import_hf(path: str | Path) -> Graph:
+    """Import a checkpoint as an IR graph with inputs ``%tokens``, ``%positions`` and output ``%logits``."""
+    model_dir = resolve_model_dir(path)
+    config = load_config(model_dir)
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        arch = (config.get("architectures") or ["?"])[0]
+        raise UnsupportedError(f"{model_dir / 'config.json'}: unknown architecture model_type={family!r} ({arch}); "
+                               f"supported: {', '.join(FAMILIES)}")
+    tensors = read_checkpoint(model_dir)
+    builder = _Builder(model_dir, config, tensors)
+    return builder.build_gpt2() if family == "gpt2" else builder.build_llama()
+
+
+class _Builder:
+    def __init__(self, model_dir: Path, config: dict[str, Any], tensors: dict[str, TensorEntry]):
+        self.dir, self.config, self.tensors = model_dir, config, tensors
+        self.cfg_path = model_dir / "config.json"
+        dtype = config.get("torch_dtype") or config.get("dtype")
+        self.expected_dtype = _TORCH_DTYPES.get(dtype) if isinstance(dtype, str) else None
+
+    def need(self, *keys: str) -> Any:
+        out = []
+        for k in keys:
+            if k not in self.config:
+                raise ModelFormatError(f"{self.cfg_path}: missing required field {k!r}")
+            v = self.config[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ModelFormatError(f"{self.cfg_path}: field {k!r} must be a positive number, got {v!r}")
+            out.append(v)
+        return out if len(out) > 1 else out[0]
+
+    def weight(self, g: Graph, name: str, shape: tuple[int, ...], transposed: bool = False) -> Weight:
+        if name in g.weights:
+            return g.weights[name]
+        entry = self.tensors.get(name)
+        if entry is None:
+            raise ModelFormatError(f"{self.dir}: tensor {name} is missing from the checkpoint")
+        stored = tuple(reversed(shape)) if transposed else shape
+        if entry.shape != stored:
+            raise ModelFormatError(f"{entry.file}: tensor {name} has shape {list(entry.shape)} but config.json "
+                                   f"implies {list(stored)}")
+        if self.expected_dtype and entry.dtype != self.expected_dtype:
+            raise ModelFormatError(f"{entry.file}: tensor {name} is {entry.dtype} but config.json says "
+                                   f"dtype {self.expected_dtype}")
+        return g.add_weight(Weight(name, TensorType(entry.dtype, shape), entry.file, entry.offset, transposed))
+
+    def graph(self, meta: dict[str, Any]) -> tuple[Graph, Value, Value]:
+        g = Graph(self.config.get("_name_or_path", "").split("/")[-1] or self.dir.name, meta)
+        g.name = "".join(c if c.isalnum() or c in "_.-" else "_" for c in g.name) or "model"
+        tokens = g.add_input("tokens", TensorType("i32", ("T",)))
+        positions = g.add_input("positions", TensorType("i32", ("T",)))
+        return g, tokens, positions
+
+    def common_meta(self, family: str, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                    vocab: int, max_pos: int) -> dict[str, Any]:
+        eos = self.config.get("eos_token_id")
+        return {"family": family, "model_dir": str(self.dir.resolve()), "hidden_size": hidden,
+                "num_layers": layers, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
+                "vocab_size": vocab, "max_position_embeddings": max_pos,
+                "bos_token_id": self.config.get("bos_token_id"),
+                "eos_token_ids": eos if isinstance(eos, list) else ([eos] if eos is not None else [])}
+
+    # -- llama / mistral / qwen2 ---------------------------------------------------------
+    def build_llama(self) -> Graph:
+        c = self.config
+        family = c["model_type"]
+        hidden, layers, heads, inter, vocab = self.need(
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or hidden // heads
+        eps = float(c.get("rms_norm_eps", 1e-6))
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedError(f"{self.cfg_path}: hidden_act={act!r} is not supported for {family} (silu only)")
+        rope = self.rope_attrs(heads, head_dim)
+        qkv_bias = family == "qwen2" or bool(c.get("attention_bias"))
+        o_bias = family != "qwen2" and bool(c.get("attention_bias"))
+        mlp_bias = bool(c.get("mlp_bias"))
+        windows = self.sliding_windows(family, layers)
+        max_pos = c.get("max_position_embeddings", 2048)
+        g, tokens, positions = self.graph(self.common_meta(family, hidden, layers, heads, kv_heads, head_dim,
+                                                            vocab, max_pos))
+        embed = self.weight(g, "model.embed_tokens.weight", (vocab, hidden))
+        h = g.add_node("embedding", [tokens], [embed], name="embed").output
+        for i in range(layers):
+            p = f"model.layers.{i}."
+            W = lambda n, shape: self.weight(g, p + n, shape)  # noqa: E731
+            x = g.add_node("rms_norm", [h], [W("input_layernorm.weight", (hidden,))], {"eps": eps},
+                           name=f"l{i}.attn_norm").output
+
+            def proj(n: str, out: int, inp: int, bias: bool, value_name: str, x=x) -> Value:
+                ws = [W(f"{n}.weight", (out, inp))] + ([W(f"{n}.bias", (out,))] if bias else [])
+                return g.add_node("linear", [x], ws, name=value_name).output
+
+            q = proj("self_attn.q_proj", heads * head_dim, hidden, qkv_bias, f"l{i}.q")
+            k = proj("self_attn.k_proj", kv_heads * head_dim, hidden, qkv_bias, f"l{i}.k")
+            v = proj("self_attn.v_proj", kv_heads * head_dim, hidden, qkv_bias, f"l{i}.v")
+            q = g.add_node("rope", [q, positions], attrs={"n_heads": heads, **rope}, name=f"l{i}.q_rot").output
+            k = g.add_node("rope", [k, positions], attrs={"n_heads": kv_heads, **rope}, name=f"l{i}.k_rot").output
+            attn_attrs = {"layer": i, "n_heads": heads, "n_kv_heads": kv_heads, "head_dim": head_dim,
+                          "scale": 1.0 / math.sqrt(head_dim)}
+            if windows[i]:
+                attn_attrs["window"] = windows[i]
+            a = g.add_node("attention", [q, k, v, positions], attrs=attn_attrs, name=f"l{i}.attn").output
+            ws = [W("self_attn.o_proj.weight", (hidden, heads * head_dim))]
+            ws += [W("self_attn.o_proj.bias", (hidden,))] if o_bias else []
+            o = g.add_node("linear", [a], ws, name=f"l{i}.o").output
+            h = g.add_node("add", [h, o], name=f"l{i}.h_attn").output
+            x = g.add_node("rms_norm", [h], [W("post_attention_layernorm.weight", (hidden,))], {"eps": eps},
+                           name=f"l{i}.mlp_norm").output
+            gate = proj("mlp.gate_proj", inter, hidden, mlp_bias, f"l{i}.gate", x=x)
+            up = proj("mlp.up_proj", inter, hidden, mlp_bias, f"l{i}.up", x=x)
+            act_v = g.add_node("silu_mul", [gate, up], name=f"l{i}.act").output
+            ws = [W("mlp.down_proj.weight", (hidden, inter))] + ([W("mlp.down_proj.bias", (hidden,))] if mlp_bias else [])
+            down = g.add_node("linear", [act_v], ws, name=f"l{i}.down").output
+            h = g.add_node("add", [h, down], name=f"l{i}.out").output
+        x = g.add_node("rms_norm", [h], [self.weight(g, "model.norm.weight", (hidden,))], {"eps": eps},
+                       name="final_norm").output
+        head = self.output_embedding(g, "model.embed_tokens.weight", vocab, hidden)
+        g.outputs = [g.add_node("logits", [x], [head], name="logits").output]
+        return g
+
+    def output_embedding(self, g: Graph, embed_name: str, vocab: int, hidden: int) -> Weight:
+        tied = self.config.get("tie_word_embeddings", self.config["model_type"] == "gpt2")
+        if tied or ("lm_head.weight" not in self.tensors and self.config["model_type"] == "gpt2"):
+            return g.weights[embed_name]
+        return self.weight(g, "lm_head.weight", (vocab, hidden))
+
+    def rope_attrs(self, heads: int, head_dim: int) -> dict[str, Any]:
+        c = self.config
+        params = c.get("rope_parameters") or {}
+        scaling = c.get("rope_scaling") or None
+        theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+        kind = (params.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default")
+        if params and kind != "default":
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if kind not in ("default", "linear", "llama3"):
+            raise UnsupportedError(f"{self.cfg_path}: rope scaling type {kind!r} is not supported "
+                                   "(supported: default, linear, llama3)")
+        if c.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedError(f"{self.cfg_path}: partial_rotary_factor is not supported")
+        attrs: dict[str, Any] = {"head_dim": head_dim, "theta": float(theta)}
+        if kind != "default":
+            attrs["scaling"] = {"rope_type": kind, **{k: v for k, v in scaling.items() if k not in ("type", "rope_type")}}
+        return attrs
+
+    def sliding_windows(self, family: str, layers: int) -> list[int | None]:
+        c = self.config
+        window = c.get("sliding_window")
+        if family == "mistral":
+            return [window or None] * layers
+        if family == "qwen2" and c.get("use_sliding_window") and window:
+            types = c.get("layer_types") or ["sliding_attention" if i >= c.get("max_window_layers", layers)
+                                             else "full_attention" for i in range(layers)]
+            return [window if t == "sliding_attention" else None for t in types]
+        return [None] * layers
+
+    # -- gpt2 -----------------------------------------------------------------------------
+    def build_gpt2(self) -> Graph:
+        c = self.config
+        hidden, layers, heads, vocab, n_pos = self.need("n_embd", "n_layer", "n_head", "vocab_size", "n_positions")
+        inter = c.get("n_inner") or 4 * hidden
+        head_dim = hidden // heads
+        eps = float(c.get("layer_norm_epsilon", 1e-5))
+        act = c.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+            raise UnsupportedError(f"{self.cfg_path}: activation_function={act!r} is not supported")
+        if c.get("scale_attn_by_inverse_layer_idx") or c.get("reorder_and_upcast_attn"):
+            raise UnsupportedError(f"{self.cfg_path}: scale_attn_by_inverse_layer_idx/reorder_and_upcast_attn "
+                                   "are not supported")
+        prefix = "transformer." if "transformer.wte.weight" in self.tensors else ""
+        g, tokens, positions = self.graph(self.common_meta("gpt2", hidden, layers, heads, heads, head_dim,
+                                                            vocab, n_pos))
+        W = lambda n, shape, t=False: self.weight(g, prefix + n, shape, transposed=t)  # noqa: E731
+        wte = W("wte.weight", (vocab, hidden))
+        tok = g.add_node("embedding", [tokens], [wte], name="embed").output
+        pos = g.add_node("embedding", [positions], [W("wpe.weight", (n_pos, hidden))], name="pos_embed").output
+        h = g.add_node("add", [tok, pos], name="h0").output
+        scale = 1.0 / math.sqrt(head_dim) if c.get("scale_attn_weights", True) else 1.0
+        gelu = {"approximate": "none" if act == "gelu" else "tanh"}
+
+        def ln(x: Value, n: str, value_name: str) -> Value:
+            return g.add_node("layer_norm", [x], [W(f"{n}.weight", (hidden,)), W(f"{n}.bias", (hidden,))],
+                              {"eps": eps}, name=value_name).output
+
+        def conv1d(x: Value, n: str, out: int, inp: int, value_name: str) -> Value:
+            return g.add_node("linear", [x], [W(f"{n}.weight", (out, inp), True), W(f"{n}.bias", (out,))],
+                              name=value_name).output
+
+        for i in range(layers):
+            p = f"h.{i}."
+            x = ln(h, p + "ln_1", f"l{i}.attn_norm")
+            qkv = conv1d(x, p + "attn.c_attn", 3 * hidden, hidden, f"l{i}.qkv")
+            q, k, v = g.add_node("split", [qkv], attrs={"sizes": [hidden] * 3},
+                                 out_names=[f"l{i}.q", f"l{i}.k", f"l{i}.v"]).outputs
+            a = g.add_node("attention", [q, k, v, positions], name=f"l{i}.attn",
+                           attrs={"layer": i, "n_heads": heads, "n_kv_heads": heads, "head_dim": head_dim,
+                                  "scale": scale}).output
+            o = conv1d(a, p + "attn.c_proj", hidden, hidden, f"l{i}.o")
+            h = g.add_node("add", [h, o], name=f"l{i}.h_attn").output
+            x = ln(h, p + "ln_2", f"l{i}.mlp_norm")
+            up = conv1d(x, p + "mlp.c_fc", inter, hidden, f"l{i}.up")
+            act_v = g.add_node("gelu", [up], attrs=gelu, name=f"l{i}.act").output
+            down = conv1d(act_v, p + "mlp.c_proj", hidden, inter, f"l{i}.down")
+            h = g.add_node("add", [h, down], name=f"l{i}.out").output
+        x = ln(h, "ln_f", "final_norm")
+        head = self.output_embedding(g, prefix + "wte.weight", vocab, hidden)
+        g.outputs = [g.add_node("logits", [x], [head], name="logits").output]
+        return g

@@ -1,0 +1,96 @@
+"""The numpy reference interpreter: the golden model every pass and kernel is checked against.
+
+``Interpreter.step`` runs one forward step over a batch of tokens from any number of sequences,
+each at its own positions (prefill chunks and decode tokens mixed), appending to a per-sequence
+KV cache, and returns logits for the rows asked for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import InfengError
+from .ir import Graph
+from .ir.ops import get as get_op
+
+
+class KVStore:
+    """K/V rows per (layer, sequence), indexed by position; grows on demand."""
+
+    def __init__(self) -> None:
+        self._k: dict[tuple[int, int], np.ndarray] = {}
+        self._v: dict[tuple[int, int], np.ndarray] = {}
+
+    def write(self, layer: int, seq: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        key = (layer, seq)
+        need = int(positions.max()) + 1
+        if key not in self._k or self._k[key].shape[0] < need:
+            cap = max(need, 2 * (self._k[key].shape[0] if key in self._k else 16))
+            for store, new in ((self._k, k), (self._v, v)):
+                grown = np.zeros((cap,) + new.shape[1:], dtype=np.float32)
+                if key in store:
+                    grown[: store[key].shape[0]] = store[key]
+                store[key] = grown
+        self._k[key][positions] = k
+        self._v[key][positions] = v
+
+    def read(self, layer: int, seq: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._k[(layer, seq)][:length], self._v[(layer, seq)][:length]
+
+    def drop(self, seq: int) -> None:
+        for store in (self._k, self._v):
+            for key in [k for k in store if k[1] == seq]:
+                del store[key]
+
+
+@dataclass
+class Step:
+    """What one forward step sees besides the graph inputs."""
+
+    seq_ids: np.ndarray          # [T] sequence of each token
+    logits_rows: np.ndarray      # [R] token rows whose logits are returned
+    kv: KVStore = field(default_factory=KVStore)
+
+
+class Interpreter:
+    """Runs a Graph with numpy. Weights are widened to float32 once and kept."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.kv = KVStore()
+        self._weights: dict[str, np.ndarray] = {}
+
+    def weight(self, name: str) -> np.ndarray:
+        if name not in self._weights:
+            self._weights[name] = self.graph.weights[name].numpy_f32()
+        return self._weights[name]
+
+    def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
+             logits_rows: np.ndarray | None = None) -> np.ndarray:
+        """Logits [R, vocab] for ``logits_rows`` (default: every row)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        positions = np.asarray(positions, dtype=np.int32)
+        seq_ids = np.asarray(seq_ids, dtype=np.int32)
+        if not (tokens.shape == positions.shape == seq_ids.shape and tokens.ndim == 1):
+            raise InfengError("tokens, positions and seq_ids must be 1-D arrays of one length")
+        rows = np.arange(len(tokens)) if logits_rows is None else np.asarray(logits_rows, dtype=np.int64)
+        ctx = Step(seq_ids, rows, self.kv)
+        env: dict[str, np.ndarray] = {"tokens": tokens, "positions": positions}
+        for v in self.graph.inputs:
+            if v.name not in env:
+                raise InfengError(f"graph input %{v.name} is not provided by the interpreter")
+        for node in self.graph.nodes:
+            ins = [env[v.name] for v in node.inputs]
+            ws = [self.weight(w.name) for w in node.weights]
+            outs = get_op(node.op).reference(ins, ws, node.attrs, ctx)
+            for value, array in zip(node.outputs, outs):
+                env[value.name] = array
+        return env[self.graph.outputs[0].name]
+
+    def reset(self, seq: int | None = None) -> None:
+        """Forget the KV cache of one sequence, or of all."""
+        if seq is None:
+            self.kv = KVStore()
+        else:
+            self.kv.drop(seq)

@@ -1,0 +1,9 @@
+"""The infeng IR: graphs of transformer-shaped ops over typed SSA values."""
+from .graph import Graph, Node, Value, Weight
+from .parser import parse
+from .printer import print_graph
+from .types import SYMBOLS, TensorType, parse_type
+from .verify import verify
+
+__all__ = ["Graph", "Node", "Value", "Weight", "parse", "print_graph", "SYMBOLS", "TensorType",
+           "parse_type", "verify"]

@@ -88,9 +88,6 @@ class Interpreter:
                 env[value.name] = array
         return env[self.graph.outputs[0].name]
 
-    def reset(self, seq: int | None = None) -> None:
-        """Forget the KV cache of one sequence, or of all."""
-        if seq is None:
-            self.kv = KVStore()
-        else:
-            self.kv.drop(seq)
+    def free(self, seq: int) -> None:
+        """Forget the KV cache of one sequence."""
+        self.kv.drop(seq)

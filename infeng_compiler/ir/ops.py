@@ -314,11 +314,11 @@ def _attention_ref(ins, ws, attrs, step):
         rows = np.nonzero(step.seq_ids == s)[0]
         p = pos[rows]
         K, V = step.kv.read(layer, int(s), int(p.max()) + 1)                  # [L, kvh, hd]
-        K = np.repeat(K, group, axis=1).astype(np.float64)
-        V = np.repeat(V, group, axis=1).astype(np.float64)
-        qs = q[rows].reshape(-1, h, hd).astype(np.float64)
-        scores = np.einsum("thd,lhd->htl", qs, K) * attrs["scale"]
-        j = np.arange(K.shape[0])
+        K = np.ascontiguousarray(np.repeat(K, group, axis=1).transpose(1, 2, 0), dtype=np.float64)  # [h,hd,L]
+        V = np.ascontiguousarray(np.repeat(V, group, axis=1).transpose(1, 0, 2), dtype=np.float64)  # [h,L,hd]
+        qs = np.ascontiguousarray(q[rows].reshape(-1, h, hd).transpose(1, 0, 2), dtype=np.float64)  # [h,t,hd]
+        scores = (qs @ K) * attrs["scale"]                                      # [h, t, L]
+        j = np.arange(K.shape[-1])
         allowed = j[None, :] <= p[:, None]
         if window:
             allowed &= j[None, :] > p[:, None] - window
@@ -326,5 +326,5 @@ def _attention_ref(ins, ws, attrs, step):
         scores -= scores.max(axis=-1, keepdims=True)
         prob = np.exp(scores)
         prob /= prob.sum(axis=-1, keepdims=True)
-        out[rows] = np.einsum("htl,lhd->thd", prob, V)
+        out[rows] = (prob @ V).transpose(1, 0, 2)
     return [out.reshape(T, h * hd)]

@@ -1,0 +1,122 @@
+"""ISA targets: the cc flags a library is built with and the CPU features it needs to run.
+
+Feature names use the /proc/cpuinfo spelling (``avx512_vnni``, ``amx_tile``). The environment
+variable ``INFENG_CPU_FEATURES`` (comma-separated feature names) replaces the host's list, here and
+in the C check ``ife_cpu_check`` of every built library, so tests can simulate a weaker CPU.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import UnsupportedError
+
+#: Environment variable that overrides the host CPU feature list (comma-separated).
+FEATURES_ENV = "INFENG_CPU_FEATURES"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One ISA: cc flags, the CPU features they need, and the target it extends."""
+
+    name: str
+    cflags: tuple[str, ...]
+    features: tuple[str, ...]
+    description: str
+    base: str | None = None          # the next lower target (kernel templates fall back along it)
+    compile_only: bool = False       # built and compile-checked, never run on this project's hosts
+
+    def missing_features(self, host: frozenset[str] | None = None) -> list[str]:
+        """The features this target needs that ``host`` (default: this machine) lacks."""
+        have = host_features() if host is None else host
+        return [f for f in self.features if f not in have]
+
+    def lineage(self) -> list[str]:
+        """This target's name followed by every lower one it extends, down to ``scalar``."""
+        names, name = [], self.name
+        while name is not None:
+            names.append(name)
+            name = TARGETS[name].base
+        return names
+
+
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+_AVX2_FEATURES = ("avx2", "fma", "f16c")
+_AVX512_FLAGS = _AVX2_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
+_AVX512_FEATURES = _AVX2_FEATURES + ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+_BF16_FLAGS = _AVX512_FLAGS + ("-mavx512vnni", "-mavx512bf16")
+_BF16_FEATURES = _AVX512_FEATURES + ("avx512_vnni", "avx512_bf16")
+
+TARGETS: dict[str, Target] = {t.name: t for t in (
+    Target("scalar", (), (), "portable C, no ISA extension (the reference kernels)"),
+    Target("avx2", _AVX2_FLAGS, _AVX2_FEATURES,
+           "AVX2 + FMA + F16C: 8-wide f32, f16 weights widened with vcvtph2ps", base="scalar"),
+    Target("avx512", _AVX512_FLAGS, _AVX512_FEATURES,
+           "AVX-512 F/BW/DQ/VL: 16-wide f32, mask registers for remainders", base="avx2"),
+    Target("avx512-vnni", _AVX512_FLAGS + ("-mavx512vnni",), _AVX512_FEATURES + ("avx512_vnni",),
+           "AVX-512 + VNNI (vpdpbusd int8 dot products)", base="avx512"),
+    Target("avx512-bf16", _BF16_FLAGS, _BF16_FEATURES,
+           "AVX-512 + VNNI + BF16: bf16 weights multiplied with vdpbf16ps (activations rounded to bf16)",
+           base="avx512-vnni"),
+    Target("amx", _BF16_FLAGS + ("-mamx-tile", "-mamx-int8", "-mamx-bf16"),
+           _BF16_FEATURES + ("amx_tile", "amx_int8", "amx_bf16"),
+           "AMX tiles (compile-checked only: the development hosts have no AMX, so nothing built "
+           "for it has ever run)", base="avx512-bf16", compile_only=True),
+)}
+
+#: Runnable targets, best first: what ``native_target`` walks.
+_PREFERENCE = ("avx512-bf16", "avx512-vnni", "avx512", "avx2", "scalar")
+
+
+def host_features() -> frozenset[str]:
+    """CPU feature flags of this machine: ``INFENG_CPU_FEATURES`` if set, else /proc/cpuinfo."""
+    override = os.environ.get(FEATURES_ENV)
+    if override is not None:
+        return frozenset(f.strip() for f in override.split(",") if f.strip())
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_target() -> Target:
+    """The best runnable target whose features this host has."""
+    have = host_features()
+    for name in _PREFERENCE:
+        if not TARGETS[name].missing_features(have):
+            return TARGETS[name]
+    raise AssertionError("the scalar target needs no feature")
+
+
+def get_target(name: str, *, for_running: bool = False) -> Target:
+    """The target called ``name`` (``native`` picks the host's best).
+
+    With ``for_running`` the target must also run here: a compile-only target (amx) or one whose
+    features the host lacks raises ``UnsupportedError``.
+    """
+    if name == "native":
+        return native_target()
+    try:
+        target = TARGETS[name]
+    except KeyError:
+        raise UnsupportedError(f"unknown target {name!r}; choose one of: native, "
+                               f"{', '.join(TARGETS)}") from None
+    if for_running:
+        check_runnable(target)
+    return target
+
+
+def check_runnable(target: Target) -> None:
+    """Raise ``UnsupportedError`` unless libraries built for ``target`` can run on this host."""
+    if target.compile_only:
+        raise UnsupportedError(f"target {target.name!r} can only be compile-checked here: "
+                               f"AMX kernels are built but never run; pick --target native or avx512-bf16")
+    missing = target.missing_features()
+    if missing:
+        raise UnsupportedError(f"target {target.name!r} needs CPU features this host lacks: "
+                               f"{', '.join(missing)}; pick --target native (here: {native_target().name})")

@@ -1,0 +1,86 @@
+"""Perplexity, by the llama.cpp protocol (so the figures compare with ``llama-perplexity``).
+
+Tokenize the whole text once with BOS prepended; cut it into floor(N/ctx) chunks of ctx tokens;
+set the first token of every chunk to BOS; run each chunk from position 0; score the tokens at
+positions ctx/2+1 .. ctx-1 from the logits at ctx/2 .. ctx-2; PPL = exp(mean NLL).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .errors import InfengError
+
+
+@dataclass
+class PerplexityResult:
+    ppl: float
+    nll: float
+    tokens: int          # tokens in the (truncated) text, BOS included
+    scored: int          # tokens whose log-probability was scored
+    chunks: int
+    ctx: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return {"ppl": self.ppl, "nll": self.nll, "tokens": self.tokens, "scored": self.scored,
+                "chunks": self.chunks, "ctx": self.ctx, "seconds": round(self.seconds, 3)}
+
+
+def read_text(path: str | Path, max_bytes: int | None = None) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise InfengError(f"{path}: file not found")
+    raw = path.read_bytes()
+    if max_bytes is not None:
+        raw = raw[:max_bytes]
+    return raw.decode("utf-8", errors="ignore")  # a cut may split the last character
+
+
+def chunk_tokens(ids: list[int], ctx: int, bos: int | None) -> np.ndarray:
+    """[n_chunks, ctx] with BOS at the start of each chunk."""
+    if ctx < 4:
+        raise InfengError(f"--ctx must be at least 4, got {ctx}")
+    n = len(ids) // ctx
+    if n == 0:
+        raise InfengError(f"the text has {len(ids)} tokens, fewer than one chunk of --ctx {ctx}")
+    chunks = np.array(ids[: n * ctx], dtype=np.int32).reshape(n, ctx)
+    if bos is not None:
+        chunks[:, 0] = bos
+    return chunks
+
+
+def perplexity(step: Callable, free: Callable[[int], None], ids: list[int], ctx: int, bos: int | None,
+               batch: int = 8, progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
+    """Run the protocol through ``step(tokens, positions, seq_ids, logits_rows) -> logits``.
+
+    ``batch`` chunks go through one step as separate sequences.
+    """
+    t0 = time.perf_counter()
+    chunks = chunk_tokens(ids, ctx, bos)
+    first = ctx // 2
+    scored_rows = np.arange(first, ctx - 1)                      # logits rows within a chunk
+    nll_sum, count = 0.0, 0
+    for start in range(0, len(chunks), batch):
+        group = chunks[start:start + batch]
+        b = len(group)
+        rows = (np.arange(b)[:, None] * ctx + scored_rows[None, :]).reshape(-1)
+        logits = step(group.reshape(-1), np.tile(np.arange(ctx, dtype=np.int32), b),
+                      np.repeat(np.arange(b, dtype=np.int32), ctx), rows)
+        targets = group[:, first + 1:].reshape(-1)
+        z = logits.astype(np.float64)
+        zmax = z.max(axis=1)
+        lse = zmax + np.log(np.exp(z - zmax[:, None]).sum(axis=1))
+        nll_sum += float((lse - z[np.arange(len(targets)), targets]).sum())
+        count += len(targets)
+        for s in range(b):
+            free(s)
+        if progress:
+            progress(min(start + batch, len(chunks)), len(chunks))
+    nll = nll_sum / count
+    return PerplexityResult(math.exp(nll), nll, len(ids), count, len(chunks), ctx, time.perf_counter() - t0)

@@ -1,0 +1,50 @@
+"""Next-token sampling on the few logits rows that need it: greedy, temperature, top-k, top-p."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0          # 0 means greedy
+    top_k: int = 0                    # 0 means no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        from infeng_compiler.errors import InfengError
+
+        if self.max_new_tokens < 0:
+            raise InfengError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise InfengError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InfengError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InfengError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token id from a row of logits."""
+    if params.temperature == 0.0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / params.temperature
+    if params.top_k and params.top_k < z.size:
+        kth = np.partition(z, -params.top_k)[-params.top_k]
+        z = np.where(z < kth, -np.inf, z)
+    z -= z.max()
+    p = np.exp(z)
+    p /= p.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-p)
+        cum = np.cumsum(p[order])
+        keep = order[: int(np.searchsorted(cum, params.top_p)) + 1]
+        mask = np.zeros_like(p)
+        mask[keep] = p[keep]
+        p = mask / mask.sum()
+    return int(rng.choice(p.size, p=p))

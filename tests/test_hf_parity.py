@@ -8,6 +8,7 @@ Reduced-precision checkpoints are compared against transformers run in float32 o
 """
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -34,15 +35,16 @@ def load_reference(model_dir: Path):
 
 def reference_logits(model, prompt: np.ndarray, decode: np.ndarray) -> list[np.ndarray]:
     """transformers' logits for ``prompt`` (one row per token), then for each decode token in turn."""
+    # transformers 5 renamed past_key_values to cache (the old name warns until 5.40).
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     steps = []
     with torch.no_grad():
         out = model(input_ids=torch.tensor(prompt[None], dtype=torch.long), use_cache=True)
         steps.append(out.logits[0].numpy())
-        past = out.past_key_values
         for token in decode:
-            out = model(input_ids=torch.tensor([[token]], dtype=torch.long), past_key_values=past, use_cache=True)
+            out = model(input_ids=torch.tensor([[token]], dtype=torch.long), use_cache=True,
+                        **{cache_arg: out[cache_arg]})
             steps.append(out.logits[0].numpy())
-            past = out.past_key_values
     return steps
 
 

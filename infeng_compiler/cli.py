@@ -67,15 +67,30 @@ def ir_command(model: Path = typer.Argument(..., help="model directory or model.
 
 
 class Backend(str, Enum):
+    auto = "auto"
     interp = "interp"
+    compiled = "compiled"
 
 
-def _load_interp(model: Path):
+def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0):
+    """(step backend, tokenizer): a compiled Engine for an artifact, else the interpreter."""
     from infeng_runtime.tokenizer import Tokenizer
 
+    from .artifact import is_artifact
     from .frontends.hf import import_hf, resolve_model_dir
     from .interp import Interpreter
 
+    if is_artifact(model):
+        if backend == Backend.interp:
+            raise InfengError(f"{model}: is a compiled artifact; --backend interp needs the model directory")
+        from infeng_runtime.engine import Engine
+
+        engine = Engine(model, threads=threads)
+        if engine.tokenizer is None:
+            raise InfengError(f"{model}: the artifact has no tokenizer.json")
+        return engine, engine.tokenizer
+    if backend == Backend.compiled:
+        raise InfengError(f"{model}: --backend compiled needs an artifact; run infeng compile first")
     graph = import_hf(model)
     tokenizer = Tokenizer(resolve_model_dir(model), graph.meta.get("bos_token_id"), graph.meta.get("eos_token_ids"))
     return Interpreter(graph), tokenizer
@@ -87,19 +102,22 @@ def eval_command(model: Path = typer.Argument(..., help="model directory"),
                  ppl: Path = typer.Option(..., "--ppl", help="text file to measure perplexity on"),
                  ctx: int = typer.Option(512, "--ctx", help="tokens per chunk"),
                  max_bytes: Optional[int] = typer.Option(None, "--max-bytes", help="use only the first N bytes"),
-                 backend: Backend = typer.Option(Backend.interp, "--backend"),
+                 backend: Backend = typer.Option(Backend.auto, "--backend",
+                                                 help="auto: compiled for an artifact, interp for a model dir"),
+                 threads: int = typer.Option(0, "--threads", help="compiled backend threads (0 = physical cores)"),
                  batch: int = typer.Option(8, "--batch", help="chunks per forward step"),
                  as_json: bool = typer.Option(False, "--json", help="print one JSON object")):
     """Perplexity by the llama.cpp protocol (BOS per chunk, second half of each chunk scored)."""
     from .evaluate import perplexity, read_text
 
-    runner, tokenizer = _load_interp(model)
+    runner, tokenizer = _load_runner(model, backend, threads)
     ids = tokenizer.encode(read_text(ppl, max_bytes), add_bos=True)
     with progress_bar() as bar:
         task = bar.add_task("perplexity", total=None)
         result = perplexity(runner.step, runner.free, ids, ctx, tokenizer.bos_token_id, batch=batch,
                             progress=lambda done, total: bar.update(task, completed=done, total=total))
-    out = {**result.as_dict(), "backend": backend.value, "model": str(model)}
+    used = "interp" if type(runner).__name__ == "Interpreter" else "compiled"
+    out = {**result.as_dict(), "backend": used, "model": str(model)}
     if as_json:
         print(json.dumps(out))
     else:
@@ -121,23 +139,116 @@ def generate_command(model: Path = typer.Argument(..., help="model directory"),
     from infeng_runtime.generation import Generation, stream
     from infeng_runtime.sampling import SamplingParams
 
-    runner, tokenizer = _load_interp(model)
+    runner, tokenizer = _load_runner(model, Backend.interp)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
+    _print_generation(runner, tokenizer, prompt, params, as_json, "interpreter")
+
+
+def _print_generation(runner, tokenizer, prompt: str, params, as_json: bool, label: str) -> None:
+    """Stream the continuation to stdout (or one JSON object) and report tok/s."""
+    from infeng_runtime.generation import Generation, stream
+
     result = Generation()
     pieces = stream(runner, tokenizer, tokenizer.encode(prompt), params, result=result)
     if as_json:
         for _ in pieces:
             pass
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-                          "tok_s": round(result.tok_s, 2)}))
+                          "prompt_tokens": result.prompt_tokens, "tok_s": round(result.tok_s, 2),
+                          "prefill_tok_s": round(result.prompt_tokens / max(result.prefill_seconds, 1e-9), 2)}))
         return
     sys.stdout.write(prompt)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    err.print(f"[dim]{len(result.token_ids)} tokens, {result.tok_s:.1f} tok/s (interpreter)[/]")
+    err.print(f"[dim]{len(result.token_ids)} tokens, {result.tok_s:.1f} tok/s ({label})[/]")
+
+
+class DType(str, Enum):
+    f32 = "f32"
+    f16 = "f16"
+    bf16 = "bf16"
+
+
+@app.command("compile")
+@fails_cleanly
+def compile_command(model: Path = typer.Argument(..., help="model directory or model.safetensors"),
+                    output: Path = typer.Option(..., "-o", "--output", help="artifact directory to write"),
+                    target: str = typer.Option("native", "--target",
+                                               help="scalar, avx2, avx512, avx512-vnni, avx512-bf16, amx, native"),
+                    dtype: DType = typer.Option(DType.f32, "--dtype", help="weight storage for matrices"),
+                    passes: Optional[str] = typer.Option(None, "--passes", help="explicit pass pipeline"),
+                    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="write NN-<pass>.ir here"),
+                    max_tokens: int = typer.Option(256, "--max-tokens", help="most token rows per forward call")):
+    """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
+    from rich.table import Table
+
+    from .compile import CompileOptions, compile_model
+
+    options = CompileOptions(target=target, dtype=dtype.value, passes=passes, dump_ir=dump_ir,
+                             max_tokens=max_tokens)
+    with progress_bar() as bar:
+        task = bar.add_task("compile", total=None)
+        summary = compile_model(model, output, options,
+                                stage=lambda name: bar.update(task, description=name, completed=0, total=None),
+                                progress=lambda done, total: bar.update(task, completed=done, total=total))
+    table = Table(title=f"compiled {output}", show_header=False)
+    table.add_row("target", summary.target)
+    table.add_row("pipeline", summary.pipeline)
+    table.add_row("weights", f"{summary.weights_bytes / 2**20:.1f} MiB")
+    table.add_row("kernels rendered", str(summary.kernels))
+    table.add_row("build cache", "hit" if summary.cache_hit else "miss")
+    for name, seconds in summary.stages.items():
+        table.add_row(f"  {name}", f"{seconds:.2f} s")
+    table.add_row("total", f"{summary.seconds:.2f} s")
+    err.print(table)
+
+
+@app.command("run")
+@fails_cleanly
+def run_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
+                prompt: str = typer.Argument(...),
+                max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
+                temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
+                top_p: float = typer.Option(1.0, "--top-p"),
+                top_k: int = typer.Option(0, "--top-k"),
+                seed: Optional[int] = typer.Option(None, "--seed"),
+                threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
+                as_json: bool = typer.Option(False, "--json")):
+    """Generate from a compiled artifact, streaming text, and print tok/s."""
+    from infeng_runtime.sampling import SamplingParams
+
+    runner, tokenizer = _load_runner(artifact, Backend.compiled, threads)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed)
+    _print_generation(runner, tokenizer, prompt, params, as_json, f"compiled, {runner.threads} threads")
+
+
+@app.command("demo")
+@fails_cleanly
+def demo_command(workdir: Optional[Path] = typer.Option(None, "--dir", help="where to build (default: a cache dir)"),
+                 prompt: str = typer.Option("Once upon a time", "--prompt"),
+                 max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n")):
+    """Build a small synthetic model, compile it for this CPU, generate, and print throughput."""
+    from infeng_models.synthetic import build_preset
+    from infeng_runtime.sampling import SamplingParams
+
+    from .codegen.build import cache_root
+    from .compile import CompileOptions, compile_model
+
+    root = workdir or cache_root().parent / "demo"
+    model_dir, artifact = root / "demo-model", root / "demo.infeng"
+    err.print(f"building the synthetic 'demo' checkpoint in {model_dir}")
+    build_preset("demo", model_dir)
+    summary = compile_model(model_dir, artifact, CompileOptions(target="native"))
+    err.print(f"compiled for {summary.target} in {summary.seconds:.2f} s "
+              f"({summary.kernels} kernels, build cache {'hit' if summary.cache_hit else 'miss'}) -> {artifact}")
+    runner, tokenizer = _load_runner(artifact, Backend.compiled)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    err.print("[dim](random weights: the text is noise; the speed is real)[/]")
+    _print_generation(runner, tokenizer, prompt, params, False, f"compiled, {runner.threads} threads")
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ import networkx as nx
 import numpy as np
 
 from ..errors import IRError, ModelFormatError
-from .types import DTYPES, TensorType, bf16_to_f32
+from .types import DTYPES, TensorType, bf16_to_f32, f32_to_bf16
 
 
 @dataclass(eq=False)
@@ -57,12 +57,31 @@ class Weight:
             raise ModelFormatError(f"{self.file}: cannot map tensor {self.name}: {e}") from None
         return data.T if self.transposed else data
 
+    @property
+    def format(self) -> str:
+        """The storage format codegen writes: ``attrs["format"]`` when a pass set one, else the source dtype."""
+        return self.attrs.get("format", self.type.dtype)
+
+    def stored(self) -> np.ndarray:
+        """The weight in its storage format: float32, float16, or bf16 bits as uint16 (contiguous)."""
+        raw, src, fmt = self.raw(), self.type.dtype, self.format
+        if fmt == src:
+            return np.ascontiguousarray(raw)
+        f32 = bf16_to_f32(np.asarray(raw)) if src == "bf16" else np.asarray(raw, dtype=np.float32)
+        if fmt == "f32":
+            return np.ascontiguousarray(f32)
+        if fmt == "f16":
+            return np.ascontiguousarray(f32.astype(np.float16))
+        if fmt == "bf16":
+            return f32_to_bf16(f32)
+        raise IRError(f"weight @{self.name}: unknown storage format {fmt!r}")
+
     def numpy_f32(self) -> np.ndarray:
-        """The weight as a float32 array (a copy when widening or transposing)."""
-        raw = self.raw()
-        if self.type.dtype == "bf16":
-            return bf16_to_f32(np.asarray(raw))
-        return np.ascontiguousarray(raw, dtype=np.float32)
+        """The weight as float32, rounded through its storage format (a copy when converting)."""
+        data = self.stored()
+        if self.format == "bf16":
+            return bf16_to_f32(data)
+        return np.ascontiguousarray(data, dtype=np.float32)
 
     def signature(self) -> tuple:
         return (self.name, self.type, self.file, self.offset, self.transposed,

@@ -1,0 +1,229 @@
+"""Lowering: an IR graph -> the straight-line forward step as kernel calls over a static arena.
+
+Every activation value gets a slice of one arena, sized per token row (``MAX_TOKENS`` rows);
+slices are reused once their value is dead (linear-scan allocation over the node order). Weights
+get 64-byte aligned offsets into ``weights.bin``. Each call names a ``KernelSpec``; identical specs
+(all layers of a model) share one rendered kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import UnsupportedError
+from ..ir import Graph, Node, Value, Weight
+from ..ir.ops import rope_inv_freq
+from .kernels import KernelSpec
+from .target import Target
+
+WEIGHT_ALIGN = 64
+
+
+@dataclass
+class WeightSlot:
+    """Where a weight lives in weights.bin, in which format."""
+
+    name: str
+    format: str                 # f32, f16, bf16
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class Call:
+    """One kernel call of the forward step, with the IR line it implements."""
+
+    spec: KernelSpec | None      # None for plain C (memcpy)
+    args: list[str]
+    comment: str
+    code: str = ""               # used instead of a kernel call when spec is None
+
+
+@dataclass
+class LoweredModel:
+    target: Target
+    calls: list[Call]
+    specs: list[KernelSpec]                 # unique, in first-use order
+    weights: list[WeightSlot]
+    weights_bytes: int
+    arena_floats_per_row: int               # arena floats per token row
+    constants: dict[str, Any] = field(default_factory=dict)
+
+
+def align(n: int, to: int = WEIGHT_ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+class _Arena:
+    """Linear-scan allocation of per-row float slices; a freed slice is reused by an equal width."""
+
+    def __init__(self) -> None:
+        self.top = 0
+        self.free: dict[int, list[int]] = {}
+
+    def take(self, width: int) -> int:
+        width = align(width, 16)              # keep every slice 64-byte aligned
+        if self.free.get(width):
+            return self.free[width].pop()
+        offset, self.top = self.top, self.top + width
+        return offset
+
+    def give(self, offset: int, width: int) -> None:
+        self.free.setdefault(align(width, 16), []).append(offset)
+
+
+def lower(graph: Graph, target: Target, *, max_tokens: int, block_size: int) -> LoweredModel:
+    return _Lowering(graph, target, max_tokens, block_size).run()
+
+
+class _Lowering:
+    def __init__(self, graph: Graph, target: Target, max_tokens: int, block_size: int):
+        self.g, self.target = graph, target
+        self.max_tokens, self.block_size = max_tokens, block_size
+        self.calls: list[Call] = []
+        self.specs: dict[KernelSpec, None] = {}
+        self.weight_slots: dict[str, WeightSlot] = {}
+        self.weights_top = 0
+        self.arena = _Arena()
+        self.slice: dict[str, int] = {}          # value name -> arena offset (floats per row)
+
+    # -- helpers --------------------------------------------------------------------------
+    def spec(self, op: str, **params: Any) -> KernelSpec:
+        spec = KernelSpec.make(op, self.target.name, **params)
+        self.specs.setdefault(spec, None)
+        return spec
+
+    def weight(self, w: Weight) -> str:
+        """C expression for a weight pointer, allocating it in weights.bin on first use."""
+        if w.name not in self.weight_slots:
+            nbytes = w.type.numel() * (4 if w.format == "f32" else 2)
+            self.weight_slots[w.name] = WeightSlot(w.name, w.format, tuple(w.type.shape), self.weights_top, nbytes)
+            self.weights_top = align(self.weights_top + nbytes)
+        slot = self.weight_slots[w.name]
+        ctype = "float" if slot.format == "f32" else "uint16_t"
+        return f"(const {ctype} *)(weights + {slot.offset})"
+
+    def buf(self, v: Value) -> str:
+        return f"(arena + {self.slice[v.name]} * IFE_MAX_TOKENS)"
+
+    @staticmethod
+    def width(v: Value) -> int:
+        w = v.type.shape[-1]
+        if not isinstance(w, int):
+            raise UnsupportedError(f"%{v.name}: the last dimension must be static, got {v.type}")
+        return w
+
+    # -- the walk -------------------------------------------------------------------------
+    def run(self) -> LoweredModel:
+        from ..ir.printer import format_node
+
+        last_use: dict[str, int] = {}
+        for i, n in enumerate(self.g.nodes):
+            for v in n.inputs:
+                last_use[v.name] = i
+        graph_inputs = {v.name for v in self.g.inputs}
+        for i, n in enumerate(self.g.nodes):
+            comment = format_node(n)
+            alias = self.aliasable(n, last_use, i)
+            for v in n.outputs:
+                if n.op == "logits":
+                    continue
+                self.slice[v.name] = self.slice[alias.name] if alias is not None else self.arena.take(self.width(v))
+            getattr(self, f"lower_{n.op}", self.unsupported)(n, comment)
+            for v in n.inputs:
+                if last_use.get(v.name) == i and v.name not in graph_inputs and v is not alias:
+                    self.arena.give(self.slice[v.name], self.width(v))
+        c = self.g.meta
+        attn = [n for n in self.g.nodes if n.op == "attention"]
+        return LoweredModel(
+            self.target, self.calls, list(self.specs), list(self.weight_slots.values()), self.weights_top,
+            self.arena.top,
+            {"max_tokens": self.max_tokens, "block_size": self.block_size, "vocab_size": c["vocab_size"],
+             "hidden_size": c["hidden_size"], "n_layers": len(attn),
+             "n_kv_heads": attn[0].attrs["n_kv_heads"] if attn else 0,
+             "head_dim": attn[0].attrs["head_dim"] if attn else 0})
+
+    def aliasable(self, n: Node, last_use: dict[str, int], i: int) -> Value | None:
+        """In-place ops write over their input when nothing reads it afterwards."""
+        if n.op == "rope" and last_use.get(n.inputs[0].name) == i:
+            return n.inputs[0]
+        return None
+
+    def unsupported(self, n: Node, comment: str) -> None:
+        raise UnsupportedError(f"codegen has no kernel for op {n.op!r} ({comment})")
+
+    def emit(self, spec: KernelSpec | None, args: list[str], comment: str, code: str = "") -> None:
+        self.calls.append(Call(spec, args, comment, code))
+
+    # -- one method per op ----------------------------------------------------------------
+    def lower_embedding(self, n: Node, comment: str) -> None:
+        table = n.weights[0]
+        ids = "tokens" if n.inputs[0].name == "tokens" else "positions"
+        spec = self.spec("embedding", V=table.type.shape[0], H=table.type.shape[1], wdtype=table.format)
+        self.emit(spec, [ids, "T", self.weight(table), self.buf(n.output)], comment)
+
+    def lower_rms_norm(self, n: Node, comment: str) -> None:
+        spec = self.spec("rms_norm", H=self.width(n.output), eps=float(n.attrs["eps"]))
+        self.emit(spec, [self.buf(n.inputs[0]), "T", self.weight(n.weights[0]), self.buf(n.output)], comment)
+
+    def lower_layer_norm(self, n: Node, comment: str) -> None:
+        spec = self.spec("layer_norm", H=self.width(n.output), eps=float(n.attrs["eps"]))
+        self.emit(spec, [self.buf(n.inputs[0]), "T", self.weight(n.weights[0]), self.weight(n.weights[1]),
+                         self.buf(n.output)], comment)
+
+    def lower_linear(self, n: Node, comment: str) -> None:
+        w = n.weights[0]
+        spec = self.spec("linear", K=w.type.shape[1], N=w.type.shape[0], wdtype=w.format)
+        bias = self.weight(n.weights[1]) if len(n.weights) > 1 else "NULL"
+        self.emit(spec, ["pool", self.buf(n.inputs[0]), "T", self.weight(w), bias, self.buf(n.output)], comment)
+
+    def lower_logits(self, n: Node, comment: str) -> None:
+        w = n.weights[0]
+        hidden = w.type.shape[1]
+        rows = self.arena.take(hidden)
+        gather = self.spec("gather_rows", H=hidden)
+        self.emit(gather, [self.buf(n.inputs[0]), "logits_rows", "R", f"(arena + {rows} * IFE_MAX_TOKENS)"],
+                  comment + "  [rows that want logits]")
+        spec = self.spec("linear", K=hidden, N=w.type.shape[0], wdtype=w.format)
+        self.emit(spec, ["pool", f"(arena + {rows} * IFE_MAX_TOKENS)", "R", self.weight(w), "NULL", "logits"], comment)
+        self.arena.give(rows, hidden)
+
+    def lower_rope(self, n: Node, comment: str) -> None:
+        x, out = n.inputs[0], n.output
+        if self.slice[x.name] != self.slice[out.name]:
+            self.emit(None, [], comment + "  [copy: the input is read again later]",
+                      code=f"memcpy({self.buf(out)}, {self.buf(x)}, sizeof(float) * (size_t)T * {self.width(x)});")
+        inv = [float(f) for f in rope_inv_freq(n.attrs)]
+        spec = self.spec("rope", n_heads=n.attrs["n_heads"], head_dim=n.attrs["head_dim"], inv_freq=tuple(inv))
+        self.emit(spec, [self.buf(out), "T", "positions"], comment)
+
+    def lower_attention(self, n: Node, comment: str) -> None:
+        a = n.attrs
+        spec = self.spec("attention", n_heads=a["n_heads"], n_kv_heads=a["n_kv_heads"], head_dim=a["head_dim"],
+                         block_size=self.block_size, scale=float(a["scale"]), window=int(a.get("window") or 0))
+        q, k, v = (self.buf(x) for x in n.inputs[:3])
+        layer = a["layer"]
+        self.emit(spec, ["pool", q, k, v, "T", "positions", "seq_slots", "block_table", "max_blocks",
+                         f"m->k_cache[{layer}]", f"m->v_cache[{layer}]", self.buf(n.output)], comment)
+
+    def lower_silu_mul(self, n: Node, comment: str) -> None:
+        spec = self.spec("silu_mul", N=self.width(n.output))
+        self.emit(spec, [self.buf(n.inputs[0]), self.buf(n.inputs[1]), "T", self.buf(n.output)], comment)
+
+    def lower_gelu(self, n: Node, comment: str) -> None:
+        spec = self.spec("gelu", N=self.width(n.output), approximate=n.attrs["approximate"])
+        self.emit(spec, [self.buf(n.inputs[0]), "T", self.buf(n.output)], comment)
+
+    def lower_add(self, n: Node, comment: str) -> None:
+        spec = self.spec("add", N=self.width(n.output))
+        self.emit(spec, [self.buf(n.inputs[0]), self.buf(n.inputs[1]), "T", self.buf(n.output)], comment)
+
+    def lower_split(self, n: Node, comment: str) -> None:
+        x = n.inputs[0]
+        offset = 0
+        for out in n.outputs:
+            width = self.width(out)
+            spec = self.spec("copy_cols", IN=self.width(x), OFFSET=offset, WIDTH=width)
+            self.emit(spec, [self.buf(x), "T", self.buf(out)], comment)
+            offset += width

@@ -1,0 +1,119 @@
+"""``infeng compile``: import -> passes -> lower -> render -> build -> write the artifact."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import __version__
+from .artifact import LIBRARY, WEIGHTS, file_sha256, write_manifest, write_weights
+from .codegen.build import build_library
+from .codegen.lower import lower
+from .codegen.render import render_sources, SUPPORT_SOURCES
+from .codegen.target import get_target
+from .frontends.hf import import_hf, load_config, resolve_model_dir
+from .ir import print_graph
+from .passes.manager import PassManager, format_pipeline, parse_pipeline
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_BLOCK_SIZE = 16
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+@dataclass
+class CompileOptions:
+    target: str = "native"
+    dtype: str = "f32"
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    block_size: int = DEFAULT_BLOCK_SIZE
+    passes: str | None = None           # explicit pipeline; default from dtype
+    dump_ir: Path | None = None
+
+    def pipeline(self) -> list[tuple[str, list[str]]]:
+        return parse_pipeline(self.passes if self.passes else f"cast-weights({self.dtype})")
+
+
+@dataclass
+class CompileSummary:
+    out_dir: Path
+    target: str
+    pipeline: str
+    weights_bytes: int
+    kernels: int
+    cache_hit: bool
+    stages: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.stages.values())
+
+
+def compile_model(model: str | Path, out_dir: str | Path, options: CompileOptions,
+                  stage: Callable[[str], None] = lambda name: None,
+                  progress: Callable[[int, int], None] | None = None) -> CompileSummary:
+    """Compile ``model`` into the artifact directory ``out_dir`` (replaced atomically)."""
+    out_dir = Path(out_dir)
+    target = get_target(options.target)
+    stages: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable):
+        stage(name)
+        t0 = time.perf_counter()
+        result = fn()
+        stages[name] = time.perf_counter() - t0
+        return result
+
+    model_dir = resolve_model_dir(model)
+    graph = timed("import", lambda: import_hf(model))
+    pipeline = options.pipeline()
+    timed("passes", lambda: PassManager(pipeline, dump_dir=options.dump_ir).run(graph))
+    lowered = timed("lower", lambda: lower(graph, target, max_tokens=options.max_tokens,
+                                           block_size=options.block_size))
+    sources = timed("render", lambda: render_sources(lowered, graph.name))
+    build = timed("build", lambda: build_library(sources, target, baseline_sources=SUPPORT_SOURCES))
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        timed("weights", lambda: write_weights(staging / WEIGHTS, graph, lowered.weights, lowered.weights_bytes,
+                                               progress))
+        shutil.copy2(build.path, staging / LIBRARY)
+        (staging / "src").mkdir()
+        for name, text in sources.items():
+            (staging / "src" / name).write_text(text)
+        (staging / "ir.txt").write_text(print_graph(graph))
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, staging / name)
+        source_files = sorted(p for p in model_dir.iterdir()
+                              if p.suffix in (".json", ".safetensors") and p.is_file())
+        manifest = {
+            "infeng_version": __version__,
+            "name": graph.name,
+            "source": {"model_dir": str(model_dir.resolve()),
+                       "sha256": {p.name: file_sha256(p) for p in source_files}},
+            "config": load_config(model_dir),
+            "meta": graph.meta,
+            "target": target.name,
+            "pipeline": format_pipeline(pipeline),
+            "dtype": options.dtype,
+            "constants": lowered.constants,
+            "weights_bytes": lowered.weights_bytes,
+            "tensors": [{"name": s.name, "format": s.format, "shape": list(s.shape), "offset": s.offset,
+                         "nbytes": s.nbytes} for s in lowered.weights],
+            "kernels": [s.symbol for s in lowered.specs],
+            "build": {"key": build.path.parent.name, "cache_hit": build.cache_hit},
+        }
+        write_manifest(staging, manifest)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return CompileSummary(out_dir, target.name, format_pipeline(pipeline), lowered.weights_bytes,
+                          len(lowered.specs), build.cache_hit, stages)

@@ -1,0 +1,35 @@
+"""Pass ``cast-weights(dtype)``: store matrix weights (rank 2) as f32, f16 or bf16.
+
+Vectors (norm weights, biases) stay f32: they are tiny and feed additions, not dot products.
+The logical type keeps the source dtype; the storage format is the weight's ``format`` attribute,
+which the printer shows, the interpreter honours (it rounds through the format) and codegen uses.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InfengError
+from ..ir import Graph
+from .manager import register
+
+FORMATS = ("f32", "f16", "bf16")
+
+
+@register("cast-weights")
+class CastWeights:
+    name = "cast-weights"
+    tolerance = 2e-2  # relative, for f16/bf16; exact for f32
+
+    def __init__(self, dtype: str = "f32"):
+        if dtype not in FORMATS:
+            raise InfengError(f"cast-weights: dtype must be one of {', '.join(FORMATS)}, got {dtype!r}")
+        self.dtype = dtype
+
+    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
+        changed = False
+        for w in graph.weights.values():
+            fmt = self.dtype if w.type.rank == 2 else "f32"
+            if w.attrs.get("format", w.type.dtype) != fmt:
+                w.attrs["format"] = fmt
+                changed = True
+        return changed

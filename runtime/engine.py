@@ -1,0 +1,109 @@
+"""Engine: loads a compiled artifact and runs forward steps through its C ABI (cffi; the GIL is
+released during each call)."""
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+
+import cffi
+import numpy as np
+
+from infeng_compiler.artifact import LIBRARY, WEIGHTS, ArtifactError, read_manifest
+from infeng_compiler.errors import InfengError
+
+from .kv_cache import BlockAllocator
+from .tokenizer import Tokenizer
+
+ABI_VERSION = 1
+
+
+class CPUFeatureError(InfengError):
+    """The artifact was compiled for instructions this CPU lacks."""
+
+
+def _ffi() -> cffi.FFI:
+    header = (files("infeng_templates") / "infeng.h").read_text()
+    ffi = cffi.FFI()
+    ffi.cdef("\n".join(line for line in header.splitlines() if not line.lstrip().startswith("#")))
+    return ffi
+
+
+class Engine:
+    """One loaded model: ``step`` runs a batch of tokens, ``free`` releases a sequence's KV blocks."""
+
+    def __init__(self, path: str | Path, *, threads: int = 0, max_seqs: int = 16, max_context: int | None = None,
+                 kv_blocks: int | None = None):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self.ffi = _ffi()
+        self.lib = self.ffi.dlopen(str((self.path / LIBRARY).resolve()))
+        missing = self.ffi.new("char[]", 256)
+        if self.lib.ife_cpu_check(missing, 256) != 0:
+            raise CPUFeatureError(f"{self.path}: compiled for target {self.manifest['target']}, but this CPU lacks "
+                                  f"{self.ffi.string(missing).decode()}; recompile with --target native")
+        if self.lib.ife_abi_version() != ABI_VERSION:
+            raise ArtifactError(f"{self.path / LIBRARY}: C ABI version {self.lib.ife_abi_version()}, "
+                                f"this runtime speaks {ABI_VERSION}; recompile the model")
+        meta = self.manifest["meta"]
+        self.vocab_size = int(self.lib.ife_vocab_size())
+        self.max_tokens = int(self.lib.ife_max_tokens())
+        self.block_size = int(self.lib.ife_block_size())
+        self.max_context = int(max_context or meta.get("max_position_embeddings") or 2048)
+        blocks_per_seq = -(-self.max_context // self.block_size)
+        n_blocks = kv_blocks or max_seqs * blocks_per_seq
+        self.kv = BlockAllocator(n_blocks, self.block_size, max_seqs, self.max_context)
+        err = self.ffi.new("char[]", 512)
+        handle = self.lib.ife_create(str((self.path / WEIGHTS).resolve()).encode(), n_blocks, threads, err, 512)
+        if handle == self.ffi.NULL:
+            raise InfengError(f"{self.path}: cannot create the model: {self.ffi.string(err).decode()}")
+        self._handle = self.ffi.gc(handle, self.lib.ife_destroy)
+        self.threads = int(self.lib.ife_threads(self._handle))
+        self.tokenizer = Tokenizer(self.path, meta.get("bos_token_id"), meta.get("eos_token_ids")) \
+            if (self.path / "tokenizer.json").is_file() else None
+
+    @classmethod
+    def load(cls, path: str | Path, **kwargs) -> "Engine":
+        return cls(path, **kwargs)
+
+    def step(self, tokens, positions, seq_ids, logits_rows=None) -> np.ndarray:
+        """Logits [R, vocab] for ``logits_rows`` (default: every row) after running all tokens."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        positions = np.ascontiguousarray(positions, dtype=np.int32)
+        seq_ids = np.asarray(seq_ids)
+        n = len(tokens)
+        rows = np.arange(n, dtype=np.int32) if logits_rows is None else np.asarray(logits_rows, dtype=np.int32)
+        if n == 0 or positions.shape != (n,) or seq_ids.shape != (n,):
+            raise InfengError("tokens, positions and seq_ids must be non-empty 1-D arrays of one length")
+        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+            raise InfengError(f"token id out of range [0, {self.vocab_size})")
+        slots = np.empty(n, dtype=np.int32)
+        for seq in np.unique(seq_ids):
+            mask = seq_ids == seq
+            self.kv.ensure(int(seq), int(positions[mask].max()) + 1)
+            slots[mask] = self.kv.slot_of[int(seq)]
+        logits = np.empty((len(rows), self.vocab_size), dtype=np.float32)
+        ffi, table = self.ffi, self.kv.block_table
+        for start in range(0, n, self.max_tokens):
+            end = min(n, start + self.max_tokens)
+            want = np.nonzero((rows >= start) & (rows < end))[0]
+            chunk_rows = np.ascontiguousarray(rows[want] - start, dtype=np.int32)
+            out = np.empty((len(want), self.vocab_size), dtype=np.float32)
+            rc = self.lib.ife_forward(
+                self._handle, end - start,
+                ffi.from_buffer("int32_t[]", tokens[start:end]), ffi.from_buffer("int32_t[]", positions[start:end]),
+                ffi.from_buffer("int32_t[]", slots[start:end]), ffi.from_buffer("int32_t[]", table),
+                table.shape[1], len(want), ffi.from_buffer("int32_t[]", chunk_rows),
+                ffi.from_buffer("float[]", out))
+            if rc != 0:
+                raise InfengError(f"ife_forward failed with code {rc}")
+            logits[want] = out
+        return logits
+
+    def free(self, seq: int) -> None:
+        self.kv.free(int(seq))
+
+    def close(self) -> None:
+        if getattr(self, "_handle", None) is not None:
+            self.ffi.release(self._handle)
+            self._handle = None
+

@@ -1,0 +1,47 @@
+/* infeng.h: the C ABI of a compiled infeng model library (libmodel.so).
+ *
+ * Versioned: a runtime refuses a library whose ife_abi_version() differs from the one it knows.
+ * The caller owns scheduling: it hands out KV block ids (block tables) and sequence slots; the
+ * library owns the KV block pool and the thread pool. Every int function returns 0 on success.
+ * Lines starting with '#' are dropped before this header is fed to cffi, so keep declarations plain.
+ */
+#ifndef INFENG_H
+#define INFENG_H
+#include <stdint.h>
+
+#define INFENG_ABI_VERSION 1
+
+typedef struct ife_model ife_model;
+
+int ife_abi_version(void);
+const char *ife_target_name(void);
+
+/* 0 when this CPU has every feature the library was compiled for; else writes the missing
+ * feature names (/proc/cpuinfo spelling, comma-separated) into missing. Safe on any x86-64 CPU. */
+int ife_cpu_check(char *missing, int len);
+
+/* Static facts of the compiled model. */
+int ife_max_tokens(void);      /* most token rows one ife_forward call takes */
+int ife_block_size(void);      /* tokens per KV block */
+int ife_vocab_size(void);
+int64_t ife_weights_bytes(void);
+int64_t ife_kv_block_bytes(void); /* bytes one KV block takes over all layers */
+
+/* Maps weights_path (weights.bin) read-only and allocates n_kv_blocks KV blocks and an activation
+ * arena. n_threads <= 0 means one per physical core. On failure returns NULL and writes why to err. */
+ife_model *ife_create(const char *weights_path, int n_kv_blocks, int n_threads, char *err, int err_len);
+
+/* One forward step over n_tokens rows from any number of sequences.
+ *   tokens, positions, seq_slots: [n_tokens]
+ *   block_table: [n_slots, max_blocks]; the KV block of position p of slot s is
+ *                block_table[s * max_blocks + p / ife_block_size()]
+ *   logits_rows: [n_logits] rows whose logits are written to logits: [n_logits, vocab]
+ * Rows of one sequence must appear in increasing position order. */
+int ife_forward(ife_model *m, int n_tokens, const int32_t *tokens, const int32_t *positions,
+                const int32_t *seq_slots, const int32_t *block_table, int max_blocks,
+                int n_logits, const int32_t *logits_rows, float *logits);
+
+int ife_threads(const ife_model *m);
+void ife_destroy(ife_model *m);
+
+#endif

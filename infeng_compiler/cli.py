@@ -14,7 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .errors import InfengError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="infeng: compile Hugging Face / ONNX LLMs and LoRA adapters to CPU kernels.")
 err = Console(stderr=True)
 

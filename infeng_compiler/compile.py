@@ -13,7 +13,7 @@ from . import __version__
 from .artifact import LIBRARY, WEIGHTS, file_sha256, write_manifest, write_weights
 from .codegen.build import build_library
 from .codegen.lower import lower
-from .codegen.render import render_sources, SUPPORT_SOURCES
+from .codegen.render import render_sources
 from .codegen.target import get_target
 from .frontends.hf import import_hf, load_config, resolve_model_dir
 from .ir import print_graph
@@ -73,8 +73,8 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
     timed("passes", lambda: PassManager(pipeline, dump_dir=options.dump_ir).run(graph))
     lowered = timed("lower", lambda: lower(graph, target, max_tokens=options.max_tokens,
                                            block_size=options.block_size))
-    sources = timed("render", lambda: render_sources(lowered, graph.name))
-    build = timed("build", lambda: build_library(sources, target, baseline_sources=SUPPORT_SOURCES))
+    sources, baseline = timed("render", lambda: render_sources(lowered, graph.name))
+    build = timed("build", lambda: build_library(sources, target, baseline_sources=baseline))
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))

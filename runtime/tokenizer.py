@@ -56,23 +56,30 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def stream(self) -> "StreamDecoder":
-        return StreamDecoder(self)
+    def stream(self, context: list[int] = ()) -> "StreamDecoder":
+        return StreamDecoder(self, context)
 
 
 class StreamDecoder:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8."""
+    """Turns token ids, one at a time, into text deltas (the prefix/read-offset scheme of TGI).
 
-    def __init__(self, tokenizer: Tokenizer):
+    ``context`` (the prompt's last few ids) is decoded with the new ids so that word-initial
+    spaces come out right, then left out of the deltas; incomplete UTF-8 is held back.
+    """
+
+    CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, context: list[int] = ()):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = ""
+        self.ids = list(context)[-self.CONTEXT_TOKENS:]
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return delta
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return new_text[len(prefix_text):]
+        return ""

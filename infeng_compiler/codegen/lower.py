@@ -38,6 +38,7 @@ class Call:
     args: list[str]
     comment: str
     code: str = ""               # used instead of a kernel call when spec is None
+    guard: str = ""              # C condition the call runs under, if any
 
 
 @dataclass
@@ -153,8 +154,8 @@ class _Lowering:
     def unsupported(self, n: Node, comment: str) -> None:
         raise UnsupportedError(f"codegen has no kernel for op {n.op!r} ({comment})")
 
-    def emit(self, spec: KernelSpec | None, args: list[str], comment: str, code: str = "") -> None:
-        self.calls.append(Call(spec, args, comment, code))
+    def emit(self, spec: KernelSpec | None, args: list[str], comment: str, code: str = "", guard: str = "") -> None:
+        self.calls.append(Call(spec, args, comment, code, guard))
 
     # -- one method per op ----------------------------------------------------------------
     def lower_embedding(self, n: Node, comment: str) -> None:
@@ -184,9 +185,9 @@ class _Lowering:
         rows = self.arena.take(hidden)
         gather = self.spec("gather_rows", H=hidden)
         self.emit(gather, [self.buf(n.inputs[0]), "logits_rows", "R", f"(arena + {rows} * IFE_MAX_TOKENS)"],
-                  comment + "  [rows that want logits]")
+                  comment + "  [rows that want logits]", guard="R > 0")
         spec = self.spec("linear", K=hidden, N=w.type.shape[0], wdtype=w.format)
-        self.emit(spec, ["pool", f"(arena + {rows} * IFE_MAX_TOKENS)", "R", self.weight(w), "NULL", "logits"], comment)
+        self.emit(spec, ["pool", f"(arena + {rows} * IFE_MAX_TOKENS)", "R", self.weight(w), "NULL", "logits"], comment, guard="R > 0")
         self.arena.give(rows, hidden)
 
     def lower_rope(self, n: Node, comment: str) -> None:

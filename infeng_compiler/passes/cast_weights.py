@@ -18,12 +18,15 @@ FORMATS = ("f32", "f16", "bf16")
 @register("cast-weights")
 class CastWeights:
     name = "cast-weights"
-    tolerance = 2e-2  # relative, for f16/bf16; exact for f32
+    #: max |logits change| / max |logit| allowed per format. bf16 keeps 8 significant bits: on the
+    #: tests' random models (weights of std 0.2) it moves logits by about 4%; f16 by about 0.3%.
+    TOLERANCE = {"f32": 0.0, "f16": 1e-2, "bf16": 6e-2}
 
     def __init__(self, dtype: str = "f32"):
         if dtype not in FORMATS:
             raise InfengError(f"cast-weights: dtype must be one of {', '.join(FORMATS)}, got {dtype!r}")
         self.dtype = dtype
+        self.tolerance = self.TOLERANCE[dtype]
 
     def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
         changed = False

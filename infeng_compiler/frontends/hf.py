@@ -62,6 +62,8 @@ class _Builder:
     def __init__(self, model_dir: Path, config: dict[str, Any], tensors: dict[str, TensorEntry]):
         self.dir, self.config, self.tensors = model_dir, config, tensors
         self.cfg_path = model_dir / "config.json"
+        index = model_dir / "model.safetensors.index.json"
+        self.source = index if index.is_file() else model_dir / "model.safetensors"
         dtype = config.get("torch_dtype") or config.get("dtype")
         self.expected_dtype = _TORCH_DTYPES.get(dtype) if isinstance(dtype, str) else None
 
@@ -76,12 +78,22 @@ class _Builder:
             out.append(v)
         return out if len(out) > 1 else out[0]
 
+    def optional(self, key: str, default: Any, kind: type = int) -> Any:
+        """An optional positive field of type ``kind``; ``default`` when absent or null."""
+        v = self.config.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (kind is int and v != int(v)):
+            what = "a positive integer" if kind is int else "a positive number"
+            raise ModelFormatError(f"{self.cfg_path}: field {key!r} must be {what}, got {v!r}")
+        return kind(v)
+
     def weight(self, g: Graph, name: str, shape: tuple[int, ...], transposed: bool = False) -> Weight:
         if name in g.weights:
             return g.weights[name]
         entry = self.tensors.get(name)
         if entry is None:
-            raise ModelFormatError(f"{self.dir}: tensor {name} is missing from the checkpoint")
+            raise ModelFormatError(f"{self.source}: tensor {name} is missing from the checkpoint")
         stored = tuple(reversed(shape)) if transposed else shape
         if entry.shape != stored:
             raise ModelFormatError(f"{entry.file}: tensor {name} has shape {list(entry.shape)} but config.json "
@@ -113,9 +125,12 @@ class _Builder:
         family = c["model_type"]
         hidden, layers, heads, inter, vocab = self.need(
             "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-        kv_heads = c.get("num_key_value_heads") or heads
-        head_dim = c.get("head_dim") or hidden // heads
-        eps = float(c.get("rms_norm_eps", 1e-6))
+        kv_heads = self.optional("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise ModelFormatError(f"{self.cfg_path}: num_attention_heads={heads} is not a multiple of "
+                                   f"num_key_value_heads={kv_heads}")
+        head_dim = self.optional("head_dim", hidden // heads)
+        eps = self.optional("rms_norm_eps", 1e-6, float)
         act = c.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedError(f"{self.cfg_path}: hidden_act={act!r} is not supported for {family} (silu only)")
@@ -124,7 +139,7 @@ class _Builder:
         o_bias = family != "qwen2" and bool(c.get("attention_bias"))
         mlp_bias = bool(c.get("mlp_bias"))
         windows = self.sliding_windows(family, layers)
-        max_pos = c.get("max_position_embeddings", 2048)
+        max_pos = self.optional("max_position_embeddings", 2048)
         g, tokens, positions = self.graph(self.common_meta(family, hidden, layers, heads, kv_heads, head_dim,
                                                             vocab, max_pos))
         embed = self.weight(g, "model.embed_tokens.weight", (vocab, hidden))
@@ -178,6 +193,8 @@ class _Builder:
         params = c.get("rope_parameters") or {}
         scaling = c.get("rope_scaling") or None
         theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+            raise ModelFormatError(f"{self.cfg_path}: rope_theta must be a positive number, got {theta!r}")
         kind = (params.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default")
         if params and kind != "default":
             scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -193,7 +210,7 @@ class _Builder:
 
     def sliding_windows(self, family: str, layers: int) -> list[int | None]:
         c = self.config
-        window = c.get("sliding_window")
+        window = self.optional("sliding_window", None)
         if family == "mistral":
             return [window or None] * layers
         if family == "qwen2" and c.get("use_sliding_window") and window:
@@ -206,9 +223,9 @@ class _Builder:
     def build_gpt2(self) -> Graph:
         c = self.config
         hidden, layers, heads, vocab, n_pos = self.need("n_embd", "n_layer", "n_head", "vocab_size", "n_positions")
-        inter = c.get("n_inner") or 4 * hidden
+        inter = self.optional("n_inner", 4 * hidden)
         head_dim = hidden // heads
-        eps = float(c.get("layer_norm_epsilon", 1e-5))
+        eps = self.optional("layer_norm_epsilon", 1e-5, float)
         act = c.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
             raise UnsupportedError(f"{self.cfg_path}: activation_function={act!r} is not supported")

@@ -1,6 +1,7 @@
 """Bad input fails loudly: an InfengError naming the file (and tensor), and exit code 2 from the CLI.
 
-Every case starts from a fresh copy of a good synthetic checkpoint and breaks one thing.
+Every case starts from a fresh copy of a good synthetic checkpoint (tiny-llama, or tiny-gpt2 for the
+``gpt2_`` cases) and breaks one thing.
 """
 from __future__ import annotations
 
@@ -214,6 +215,16 @@ def case_config_bad_optional_field(m: Path) -> tuple[Path, Expect]:
     return m, Expect(ModelFormatError, (str(m / "config.json"), "num_key_value_heads"))
 
 
+def case_config_fractional_field(m: Path) -> tuple[Path, Expect]:
+    edit_config(m, hidden_size=64.5)
+    return m, Expect(ModelFormatError, (str(m / "config.json"), "hidden_size", "64.5"))
+
+
+def case_config_null_required_field(m: Path) -> tuple[Path, Expect]:
+    edit_config(m, vocab_size=None)
+    return m, Expect(ModelFormatError, (str(m / "config.json"), "vocab_size"))
+
+
 def case_config_bad_eps(m: Path) -> tuple[Path, Expect]:
     edit_config(m, rms_norm_eps="tiny")
     return m, Expect(ModelFormatError, (str(m / "config.json"), "rms_norm_eps", "tiny"))
@@ -227,6 +238,18 @@ def case_config_bad_rope_theta(m: Path) -> tuple[Path, Expect]:
 def case_config_heads_not_multiple_of_kv_heads(m: Path) -> tuple[Path, Expect]:
     edit_config(m, num_key_value_heads=3)
     return m, Expect(ModelFormatError, (str(m / "config.json"), "num_key_value_heads=3"))
+
+
+def case_gpt2_heads_do_not_divide(m: Path) -> tuple[Path, Expect]:
+    edit_config(m, n_head=5)
+    return m, Expect(ModelFormatError, (str(m / "config.json"), "n_head=5"))
+
+
+def case_gpt2_conv1d_not_transposed(m: Path) -> tuple[Path, Expect]:
+    """GPT-2's Conv1D stores [in, out]; a checkpoint with nn.Linear's [out, in] is caught."""
+    name = "transformer.h.0.mlp.c_fc.weight"
+    rewrite_tensors(m, lambda t: t.__setitem__(name, t[name].T.copy()))
+    return m, Expect(ModelFormatError, (str(m / "model.safetensors"), name, "[256, 64]", "[64, 256]"))
 
 
 def _shard(m: Path) -> Path:
@@ -280,13 +303,14 @@ CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.start
 @pytest.fixture
 def broken(synthetic_checkpoint, tmp_path: Path, request) -> tuple[Path, Expect]:
     model = tmp_path / "model"
-    shutil.copytree(synthetic_checkpoint("tiny-llama"), model)
+    shutil.copytree(synthetic_checkpoint("tiny-gpt2" if request.param.startswith("gpt2") else "tiny-llama"), model)
     return CASES[request.param](model)
 
 
-def test_good_checkpoint_imports(synthetic_checkpoint) -> None:
-    """The starting point of every case is fine."""
-    assert len(import_hf(synthetic_checkpoint("tiny-llama")).nodes) > 0
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+def test_good_checkpoint_imports(synthetic_checkpoint, preset: str) -> None:
+    """The starting points of the cases are fine."""
+    assert len(import_hf(synthetic_checkpoint(preset)).nodes) > 0
 
 
 @pytest.mark.parametrize("broken", list(CASES), indirect=True)

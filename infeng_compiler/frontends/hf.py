@@ -68,14 +68,12 @@ class _Builder:
         self.expected_dtype = _TORCH_DTYPES.get(dtype) if isinstance(dtype, str) else None
 
     def need(self, *keys: str) -> Any:
+        """Required positive integer fields."""
         out = []
         for k in keys:
-            if k not in self.config:
+            if self.config.get(k) is None:
                 raise ModelFormatError(f"{self.cfg_path}: missing required field {k!r}")
-            v = self.config[k]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ModelFormatError(f"{self.cfg_path}: field {k!r} must be a positive number, got {v!r}")
-            out.append(v)
+            out.append(self.optional(k, None))
         return out if len(out) > 1 else out[0]
 
     def optional(self, key: str, default: Any, kind: type = int) -> Any:
@@ -224,6 +222,8 @@ class _Builder:
         c = self.config
         hidden, layers, heads, vocab, n_pos = self.need("n_embd", "n_layer", "n_head", "vocab_size", "n_positions")
         inter = self.optional("n_inner", 4 * hidden)
+        if hidden % heads:
+            raise ModelFormatError(f"{self.cfg_path}: n_embd={hidden} is not a multiple of n_head={heads}")
         head_dim = hidden // heads
         eps = self.optional("layer_norm_epsilon", 1e-5, float)
         act = c.get("activation_function", "gelu_new")

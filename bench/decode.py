@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bandwidth import measure_bandwidth  # noqa: E402
+from infeng_runtime.membw import measure_bandwidth
 
 PEER = Path(os.environ.get("PEER_DIR", Path.home() / ".cache" / "infeng-peers")) / "llama.cpp"
 GGUF_TYPES = {"f32": "f32", "f16": "f16", "bf16": "bf16"}

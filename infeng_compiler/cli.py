@@ -181,14 +181,16 @@ def compile_command(model: Path = typer.Argument(..., help="model directory or m
                     dtype: DType = typer.Option(DType.f32, "--dtype", help="weight storage for matrices"),
                     passes: Optional[str] = typer.Option(None, "--passes", help="explicit pass pipeline"),
                     dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="write NN-<pass>.ir here"),
-                    max_tokens: int = typer.Option(256, "--max-tokens", help="most token rows per forward call")):
+                    max_tokens: int = typer.Option(256, "--max-tokens", help="most token rows per forward call"),
+                    profile: bool = typer.Option(False, "--profile", help="time every IR node (see infeng bench --profile)"),
+                    timings: bool = typer.Option(False, "--timings", help="also show time per pass")):
     """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
     from rich.table import Table
 
     from .compile import CompileOptions, compile_model
 
     options = CompileOptions(target=target, dtype=dtype.value, passes=passes, dump_ir=dump_ir,
-                             max_tokens=max_tokens)
+                             max_tokens=max_tokens, profile=profile)
     with progress_bar() as bar:
         task = bar.add_task("compile", total=None)
         summary = compile_model(model, output, options,
@@ -202,6 +204,10 @@ def compile_command(model: Path = typer.Argument(..., help="model directory or m
     table.add_row("build cache", "hit" if summary.cache_hit else "miss")
     for name, seconds in summary.stages.items():
         table.add_row(f"  {name}", f"{seconds:.2f} s")
+        if name == "passes" and timings:
+            for record in summary.passes:
+                table.add_row(f"    {record.name}", f"{record.seconds * 1e3:.1f} ms"
+                              + ("" if record.changed else " (no change)"))
     table.add_row("total", f"{summary.seconds:.2f} s")
     err.print(table)
 
@@ -224,6 +230,61 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
     _print_generation(runner, tokenizer, prompt, params, as_json, f"compiled, {runner.threads} threads")
+
+
+@app.command("bench")
+@fails_cleanly
+def bench_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
+                  prompt_len: int = typer.Option(128, "--prompt-len"),
+                  gen_len: int = typer.Option(64, "--gen-len"),
+                  batch: int = typer.Option(1, "--batch", help="sequences decoded together"),
+                  threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
+                  profile: bool = typer.Option(False, "--profile", help="per-op table (artifact built with --profile)"),
+                  trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome trace of a few steps"),
+                  bandwidth: bool = typer.Option(True, "--bandwidth/--no-bandwidth", help="measure memory bandwidth"),
+                  as_json: bool = typer.Option(False, "--json", help="one JSON line per result"),
+                  csv_path: Optional[Path] = typer.Option(None, "--csv", help="also write the results as CSV")):
+    """Prefill/decode tok/s, TTFT, p50/p95 step latency, peak RSS, roofline fraction; per-op profile."""
+    import csv
+
+    from infeng_runtime.bench import BenchConfig, run_bench, write_trace
+    from infeng_runtime.engine import Engine
+    from infeng_runtime.membw import measure_bandwidth
+
+    engine = Engine(artifact, threads=threads, max_seqs=max(batch, 1), max_context=prompt_len + gen_len + 16)
+    if (profile or trace) and not engine.profiled:
+        raise InfengError(f"{artifact}: not compiled with --profile; run infeng compile ... --profile")
+    gb_s = measure_bandwidth(engine.threads) if bandwidth else None
+    results, spans = run_bench(engine, BenchConfig(prompt_len, gen_len, batch, threads), gb_s)
+    if not profile:
+        results = [r for r in results if not r["bench"].startswith("profile")]
+    if trace:
+        write_trace(trace, spans)
+        err.print(f"wrote {trace} ({len(spans)} steps; open it in Perfetto or chrome://tracing)")
+    if csv_path:
+        keys = list(dict.fromkeys(k for r in results for k in r))
+        with open(csv_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(results)
+    if as_json:
+        for r in results:
+            print(json.dumps(r))
+        return
+    from rich.table import Table
+
+    for kind in ("prefill", "decode"):
+        r = next(x for x in results if x["bench"] == kind)
+        print(f"{kind:8s} " + "  ".join(f"{k}={v}" for k, v in r.items() if k != "bench"))
+    rows = [r for r in results if r["bench"] == "profile"]
+    if rows:
+        table = Table("op", "ms", "calls", "% of step", "GB/s", "GFLOP/s", title="time per op (decode)")
+        for r in rows:
+            table.add_row(r["op"], f"{r['ms']:.2f}", str(r["calls"]), f"{r['pct_of_step']:.1f}",
+                          str(r["gb_s"] or ""), str(r["gflop_s"] or ""))
+        Console().print(table)
+        total = next(x for x in results if x["bench"] == "profile_total")
+        print(f"profiled ops add up to {100 * total['profiled_frac']:.1f}% of the measured step time")
 
 
 @app.command("demo")

@@ -17,7 +17,7 @@ from .codegen.render import render_sources
 from .codegen.target import get_target
 from .frontends.hf import import_hf, load_config, resolve_model_dir
 from .ir import print_graph
-from .passes.manager import PassManager, format_pipeline, parse_pipeline
+from .passes.manager import PassManager, PassRecord, format_pipeline, parse_pipeline
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_BLOCK_SIZE = 16
@@ -32,6 +32,7 @@ class CompileOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     passes: str | None = None           # explicit pipeline; default from dtype
     dump_ir: Path | None = None
+    profile: bool = False               # time every IR node in the generated code
 
     def pipeline(self) -> list[tuple[str, list[str]]]:
         return parse_pipeline(self.passes if self.passes else f"cast-weights({self.dtype})")
@@ -46,6 +47,7 @@ class CompileSummary:
     kernels: int
     cache_hit: bool
     stages: dict[str, float] = field(default_factory=dict)
+    passes: list[PassRecord] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
@@ -70,10 +72,11 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
     model_dir = resolve_model_dir(model)
     graph = timed("import", lambda: import_hf(model))
     pipeline = options.pipeline()
-    timed("passes", lambda: PassManager(pipeline, dump_dir=options.dump_ir).run(graph))
+    manager = PassManager(pipeline, dump_dir=options.dump_ir)
+    timed("passes", lambda: manager.run(graph))
     lowered = timed("lower", lambda: lower(graph, target, max_tokens=options.max_tokens,
                                            block_size=options.block_size))
-    sources, baseline = timed("render", lambda: render_sources(lowered, graph.name))
+    sources, baseline = timed("render", lambda: render_sources(lowered, graph.name, options.profile))
     build = timed("build", lambda: build_library(sources, target, baseline_sources=baseline))
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +109,7 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
             "tensors": [{"name": s.name, "format": s.format, "shape": list(s.shape), "offset": s.offset,
                          "nbytes": s.nbytes} for s in lowered.weights],
             "kernels": [s.symbol for s in lowered.specs],
+            "profile": [vars(e) for e in lowered.profile] if options.profile else [],
             "build": {"key": build.path.parent.name, "cache_hit": build.cache_hit},
         }
         write_manifest(staging, manifest)
@@ -116,4 +120,4 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return CompileSummary(out_dir, target.name, format_pipeline(pipeline), lowered.weights_bytes,
-                          len(lowered.specs), build.cache_hit, stages)
+                          len(lowered.specs), build.cache_hit, stages, manager.records)

@@ -99,6 +99,23 @@ class Engine:
             logits[want] = out
         return logits
 
+    # -- profile (artifacts compiled with --profile) ---------------------------------------
+    @property
+    def profiled(self) -> bool:
+        return int(self.lib.ife_profile_entries()) > 0
+
+    def profile(self) -> list[dict]:
+        """Per IR node: name, op, accumulated ns and calls, and its span in the latest step."""
+        n = int(self.lib.ife_profile_entries())
+        arrays = [np.zeros(n, dtype=np.int64) for _ in range(4)]
+        self.lib.ife_profile_read(self._handle, *(self.ffi.from_buffer("int64_t[]", a) for a in arrays))
+        ns, calls, begin, end = arrays
+        return [{**entry, "ns": int(ns[i]), "calls": int(calls[i]), "last_begin_ns": int(begin[i]),
+                 "last_end_ns": int(end[i])} for i, entry in enumerate(self.manifest.get("profile", [])[:n])]
+
+    def profile_reset(self) -> None:
+        self.lib.ife_profile_reset(self._handle)
+
     def free(self, seq: int) -> None:
         self.kv.free(int(seq))
 

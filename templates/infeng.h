@@ -42,6 +42,14 @@ int ife_forward(ife_model *m, int n_tokens, const int32_t *tokens, const int32_t
                 int n_logits, const int32_t *logits_rows, float *logits);
 
 int ife_threads(const ife_model *m);
+
+/* Per-node profile of a library compiled with --profile (entries in IR node order; the manifest's
+ * "profile" list names them). ife_profile_entries() is 0 in a normal build, which times nothing.
+ * ns/calls accumulate since create or the last reset; last_begin/last_end are the span of each
+ * node in the latest step (monotonic ns, 0 when it did not run). Each array has entries slots. */
+int ife_profile_entries(void);
+void ife_profile_read(const ife_model *m, int64_t *ns, int64_t *calls, int64_t *last_begin, int64_t *last_end);
+void ife_profile_reset(ife_model *m);
 void ife_destroy(ife_model *m);
 
 #endif

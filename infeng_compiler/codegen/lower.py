@@ -39,6 +39,17 @@ class Call:
     comment: str
     code: str = ""               # used instead of a kernel call when spec is None
     guard: str = ""              # C condition the call runs under, if any
+    node: int = 0                # index of the IR node (and of its profile entry)
+
+
+@dataclass
+class ProfileEntry:
+    """What a profiled build times: one IR node, with the static work it does per token row."""
+
+    name: str                    # the node's first result, e.g. "l3.q"
+    op: str
+    weight_bytes: int            # weight bytes the node reads per call
+    flops_per_row: int           # multiply-adds x 2 per token row (0 where it depends on context)
 
 
 @dataclass
@@ -50,6 +61,7 @@ class LoweredModel:
     weights_bytes: int
     arena_floats_per_row: int               # arena floats per token row
     constants: dict[str, Any] = field(default_factory=dict)
+    profile: list[ProfileEntry] = field(default_factory=list)   # one per IR node, in order
 
 
 def align(n: int, to: int = WEIGHT_ALIGN) -> int:
@@ -88,6 +100,7 @@ class _Lowering:
         self.weights_top = 0
         self.arena = _Arena()
         self.slice: dict[str, int] = {}          # value name -> arena offset (floats per row)
+        self.node = 0                            # index of the node being lowered
 
     # -- helpers --------------------------------------------------------------------------
     def spec(self, op: str, **params: Any) -> KernelSpec:
@@ -124,7 +137,10 @@ class _Lowering:
             for v in n.inputs:
                 last_use[v.name] = i
         graph_inputs = {v.name for v in self.g.inputs}
+        profile = []
         for i, n in enumerate(self.g.nodes):
+            self.node = i
+            profile.append(self.profile_entry(n))
             comment = format_node(n)
             alias = self.aliasable(n, last_use, i)
             for v in n.outputs:
@@ -143,7 +159,16 @@ class _Lowering:
             {"max_tokens": self.max_tokens, "block_size": self.block_size, "vocab_size": c["vocab_size"],
              "hidden_size": c["hidden_size"], "n_layers": len(attn),
              "n_kv_heads": attn[0].attrs["n_kv_heads"] if attn else 0,
-             "head_dim": attn[0].attrs["head_dim"] if attn else 0})
+             "head_dim": attn[0].attrs["head_dim"] if attn else 0},
+            profile)
+
+    @staticmethod
+    def profile_entry(n: Node) -> ProfileEntry:
+        weight_bytes = sum(w.type.numel() * (4 if w.format == "f32" else 2) for w in n.weights)
+        if n.op == "embedding":
+            weight_bytes = n.weights[0].type.shape[1] * (4 if n.weights[0].format == "f32" else 2)
+        flops = 2 * n.weights[0].type.numel() if n.op in ("linear", "logits") else 0
+        return ProfileEntry(n.outputs[0].name, n.op, weight_bytes, flops)
 
     def aliasable(self, n: Node, last_use: dict[str, int], i: int) -> Value | None:
         """In-place ops write over their input when nothing reads it afterwards."""
@@ -155,7 +180,7 @@ class _Lowering:
         raise UnsupportedError(f"codegen has no kernel for op {n.op!r} ({comment})")
 
     def emit(self, spec: KernelSpec | None, args: list[str], comment: str, code: str = "", guard: str = "") -> None:
-        self.calls.append(Call(spec, args, comment, code, guard))
+        self.calls.append(Call(spec, args, comment, code, guard, self.node))
 
     # -- one method per op ----------------------------------------------------------------
     def lower_embedding(self, n: Node, comment: str) -> None:

@@ -1,7 +1,7 @@
-"""Main-memory read bandwidth of this machine, measured with a small C probe (pthreads, AVX when
-the compiler has it). Used by the other benchmarks for roofline fractions.
+"""Main-memory read bandwidth of this machine, measured with a small C probe (pthreads, vectorised
+by the compiler for the host). ``infeng bench`` and ``bench/`` use it for roofline fractions.
 
-    python bench/bandwidth.py --threads 2      # one JSON line: {"bench": "bandwidth", "gb_s": ...}
+    python -m infeng_runtime.membw --threads 2      # one JSON line: {"bench": "bandwidth", "gb_s": ...}
 """
 from __future__ import annotations
 
@@ -45,14 +45,18 @@ float read_all(const float *p, size_t n, int threads) {
 
 def measure_bandwidth(threads: int, megabytes: int = 1024, reps: int = 5) -> float:
     """Best-of-``reps`` read bandwidth in GB/s over a buffer much larger than the caches."""
-    tmp = Path(tempfile.mkdtemp())
-    (tmp / "probe.c").write_text(PROBE)
-    cc = os.environ.get("CC", "cc")
-    subprocess.run([cc, "-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread",
-                    str(tmp / "probe.c"), "-o", str(tmp / "probe.so")], check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        source, library = Path(tmp) / "probe.c", Path(tmp) / "probe.so"
+        source.write_text(PROBE)
+        subprocess.run([os.environ.get("CC", "cc"), "-O3", "-march=native", "-ffast-math", "-fPIC", "-shared",
+                        "-pthread", str(source), "-o", str(library)], check=True)
+        return _measure(str(library), threads, megabytes, reps)
+
+
+def _measure(library: str, threads: int, megabytes: int, reps: int) -> float:
     ffi = cffi.FFI()
     ffi.cdef("float read_all(const float *p, size_t n, int threads);")
-    lib = ffi.dlopen(str(tmp / "probe.so"))
+    lib = ffi.dlopen(library)
     data = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
     ptr = ffi.from_buffer("float[]", data)
     best = 0.0

@@ -166,6 +166,19 @@ def _print_generation(runner, tokenizer, prompt: str, params, as_json: bool, lab
     err.print(f"[dim]{len(result.token_ids)} tokens, {result.tok_s:.1f} tok/s ({label})[/]")
 
 
+def parse_named_paths(items: list[str], option: str) -> dict[str, Path]:
+    """``["med=./lora"]`` -> ``{"med": Path("./lora")}``, refusing malformed or repeated names."""
+    named: dict[str, Path] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise InfengError(f"{option} {item!r}: expected NAME=DIR")
+        if name in named:
+            raise InfengError(f"{option}: adapter name {name!r} given twice")
+        named[name] = Path(path)
+    return named
+
+
 class DType(str, Enum):
     f32 = "f32"
     f16 = "f16"
@@ -183,14 +196,20 @@ def compile_command(model: Path = typer.Argument(..., help="model directory or m
                     dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="write NN-<pass>.ir here"),
                     max_tokens: int = typer.Option(256, "--max-tokens", help="most token rows per forward call"),
                     profile: bool = typer.Option(False, "--profile", help="time every IR node (see infeng bench --profile)"),
-                    timings: bool = typer.Option(False, "--timings", help="also show time per pass")):
+                    timings: bool = typer.Option(False, "--timings", help="also show time per pass"),
+                    lora: list[str] = typer.Option([], "--lora", help="NAME=DIR: a PEFT LoRA adapter (repeatable)"),
+                    merge: list[str] = typer.Option([], "--merge", help="fold adapter NAME into the weights")):
     """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
     from rich.table import Table
 
     from .compile import CompileOptions, compile_model
 
+    adapters = parse_named_paths(lora, "--lora")
+    unknown = [m for m in merge if m not in adapters]
+    if unknown:
+        raise InfengError(f"--merge {unknown[0]}: no adapter of that name; give it with --lora {unknown[0]}=DIR")
     options = CompileOptions(target=target, dtype=dtype.value, passes=passes, dump_ir=dump_ir,
-                             max_tokens=max_tokens, profile=profile)
+                             max_tokens=max_tokens, profile=profile, lora=adapters, merge=list(merge))
     with progress_bar() as bar:
         task = bar.add_task("compile", total=None)
         summary = compile_model(model, output, options,

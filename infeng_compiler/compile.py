@@ -16,6 +16,7 @@ from .codegen.lower import lower
 from .codegen.render import render_sources
 from .codegen.target import get_target
 from .frontends.hf import import_hf, load_config, resolve_model_dir
+from .frontends.peft import load_adapter
 from .ir import print_graph
 from .passes.manager import PassManager, PassRecord, format_pipeline, parse_pipeline
 
@@ -33,9 +34,13 @@ class CompileOptions:
     passes: str | None = None           # explicit pipeline; default from dtype
     dump_ir: Path | None = None
     profile: bool = False               # time every IR node in the generated code
+    lora: dict[str, Path] = field(default_factory=dict)   # adapter name -> PEFT adapter dir
+    merge: list[str] = field(default_factory=list)         # adapters folded into the weights
 
     def pipeline(self) -> list[tuple[str, list[str]]]:
-        return parse_pipeline(self.passes if self.passes else f"cast-weights({self.dtype})")
+        if self.passes:
+            return parse_pipeline(self.passes)
+        return [("merge-lora", [name]) for name in self.merge] + [("cast-weights", [self.dtype])]
 
 
 @dataclass
@@ -72,8 +77,9 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
     model_dir = resolve_model_dir(model)
     graph = timed("import", lambda: import_hf(model))
     pipeline = options.pipeline()
+    adapters = timed("adapters", lambda: {name: load_adapter(path, graph, name) for name, path in options.lora.items()})
     manager = PassManager(pipeline, dump_dir=options.dump_ir)
-    timed("passes", lambda: manager.run(graph))
+    timed("passes", lambda: manager.run(graph, {"adapters": adapters}))
     lowered = timed("lower", lambda: lower(graph, target, max_tokens=options.max_tokens,
                                            block_size=options.block_size))
     sources, baseline = timed("render", lambda: render_sources(lowered, graph.name, options.profile))

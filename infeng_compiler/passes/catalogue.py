@@ -1,2 +1,3 @@
 """Imports every pass module so that each registers itself with the pass manager."""
 from . import cast_weights  # noqa: F401
+from . import merge_lora  # noqa: F401

@@ -333,19 +333,22 @@ def write_safetensors(path: str | Path, specs: Sequence[TensorSpec], dtype: str,
 
 
 class _progress_bar:
-    """A rich progress bar over bytes written, or a no-op."""
+    """A rich progress bar (on stderr, when it is a terminal) over bytes written, or a no-op."""
 
     def __init__(self, enabled: bool, label: str, total: int):
         self.enabled, self.label, self.total = enabled, label, total
         self._progress: Any = None
 
     def __enter__(self):
-        if not self.enabled:
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        if not (self.enabled and console.is_terminal):
             return lambda n: None
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                  TimeRemainingColumn(), transient=True)
+                                  TimeRemainingColumn(), console=console, transient=True)
         self._progress.start()
         task = self._progress.add_task(self.label, total=self.total)
         return lambda n: self._progress.advance(task, n)

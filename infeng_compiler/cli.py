@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .errors import InfengError
@@ -27,7 +28,7 @@ def fails_cleanly(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except InfengError as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("interrupted")

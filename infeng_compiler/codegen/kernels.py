@@ -1,0 +1,379 @@
+"""Kernel specs and their rendering: one C translation unit per (op, ISA, static shape).
+
+A ``KernelSpec`` names an op, a target ISA and the static parameters the kernel is specialised
+on. ``render_kernel`` picks the op's template for the nearest ISA at or below the requested one
+(``templates/kernels/<op>/<isa>.c.j2``), computes the tiling decisions here in Python and renders
+a self-contained translation unit that includes ``ife_kernels.h`` (``render_common``) and defines
+one function with external linkage, ``spec.symbol``. ``render_support`` renders the thread pool
+and CPU check, which must be compiled without ISA flags (see ``library_sources``).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib.resources import files
+from typing import Any, Callable
+
+import jinja2
+import numpy as np
+
+from ..errors import UnsupportedError
+from .target import FEATURES_ENV, TARGETS, Target
+
+#: File names of the shared sources in a library.
+COMMON_HEADER = "ife_kernels.h"
+SUPPORT_SOURCE = "ife_support.c"
+
+#: C element type of the weights of each weight dtype.
+WEIGHT_CTYPES = {"f32": "float", "f16": "uint16_t", "bf16": "uint16_t"}
+_WEIGHT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# specs
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel: ``op``, target ISA name and the sorted static parameters."""
+
+    op: str
+    isa: str
+    params: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def make(cls, op: str, isa: str, **params: Any) -> KernelSpec:
+        """Validate and normalise ``params`` (floats become float32 values, sequences tuples)."""
+        kernel = _op_kernel(op)
+        if isa not in TARGETS:
+            raise UnsupportedError(f"unknown ISA {isa!r} for kernel {op}; known: {', '.join(TARGETS)}")
+        missing = set(kernel.params) - set(params)
+        extra = set(params) - set(kernel.params)
+        if missing or extra:
+            raise UnsupportedError(f"kernel {op} takes parameters {', '.join(kernel.params)}; "
+                                   f"missing {sorted(missing)}, unexpected {sorted(extra)}")
+        normal = {name: _normalise(params[name]) for name in kernel.params}
+        kernel.check(normal)
+        return cls(op, isa, tuple(sorted(normal.items())))
+
+    def __getitem__(self, name: str) -> Any:
+        return dict(self.params)[name]
+
+    @property
+    def symbol(self) -> str:
+        """The C function name, e.g. ``ife_linear_f16_k576_n1536_avx512``."""
+        parts = _op_kernel(self.op).symbol_parts(dict(self.params))
+        return "_".join(["ife", self.op, *parts, self.isa.replace("-", "_")])
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, (float, np.floating)):
+        return float(np.float32(value))
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return tuple(_normalise(v) for v in np.asarray(value).tolist())
+    return value
+
+
+def _sym_float(value: float) -> str:
+    """Shortest float32 spelling, made an identifier: 1e-05 -> 1em05, 0.125 -> 0p125."""
+    text = str(np.float32(value))
+    return text.replace("-", "m").replace("+", "").replace(".", "p")
+
+
+def c_float(value: float) -> str:
+    """A C float literal that reads back the exact float32 value (9 significant digits)."""
+    v = float(np.float32(value))
+    if not math.isfinite(v):
+        raise UnsupportedError(f"non-finite constant {value} in a kernel")
+    text = f"{v:.9g}"
+    if "." not in text and "e" not in text:
+        text += ".0"
+    return text + "f"
+
+
+# ---------------------------------------------------------------------------------------------
+# per-op definitions
+@dataclass(frozen=True)
+class _OpKernel:
+    params: tuple[str, ...]                               # static parameters, all required
+    prototype: str                                        # C declaration; {sym} and {W} filled in
+    variants: tuple[str, ...]                             # ISAs with a template, scalar first
+    symbol_parts: Callable[[dict[str, Any]], list[str]]
+    check: Callable[[dict[str, Any]], None] = lambda p: None
+    plan: Callable[[dict[str, Any], str], dict[str, Any]] = lambda p, isa: {}
+    # ISAs whose template only covers some parameter values (else fall back further down)
+    variant_if: Callable[[str, dict[str, Any]], bool] = lambda isa, p: True
+
+
+def _expect(cond: bool, message: str) -> None:
+    if not cond:
+        raise UnsupportedError(message)
+
+
+def _check_wdtype(p: dict[str, Any]) -> None:
+    _expect(p["wdtype"] in WEIGHT_CTYPES, f"weight dtype {p['wdtype']!r} has no kernels "
+                                          f"(supported: {', '.join(WEIGHT_CTYPES)})")
+
+
+def _positive(*names: str) -> Callable[[dict[str, Any]], None]:
+    def check(p: dict[str, Any]) -> None:
+        for name in names:
+            _expect(isinstance(p[name], int) and p[name] > 0, f"kernel parameter {name} must be a positive int, got {p[name]!r}")
+    return check
+
+
+def _all(*checks: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def check(p: dict[str, Any]) -> None:
+        for c in checks:
+            c(p)
+    return check
+
+
+#: Vector geometry of the ISA templates: f32 lanes and architectural vector registers.
+_LANES = {"scalar": 1, "avx2": 8, "avx512": 16, "avx512-bf16": 16}
+_L1_BYTES = 32 * 1024
+_L2_BYTES = 1024 * 1024
+
+
+def _plan_linear(p: dict[str, Any], isa: str) -> dict[str, Any]:
+    """Tiling of the linear kernel for one template ISA (see docs/codegen.md)."""
+    K, N, wbytes = p["K"], p["N"], _WEIGHT_BYTES[p["wdtype"]]
+    if isa == "scalar":
+        return {"rows_per_item": max(1, _L1_BYTES // 2 // (K * wbytes))}
+    lanes = _LANES[isa]
+    dot_bf16 = isa == "avx512-bf16"
+    # dot-product (GEMV) tiles: rows x tokens accumulators, plus a weight vector per row and x
+    gemv_rows, gemv_tokens = (1, 4) if lanes == 16 else (1, 2)
+    # a work item's weight rows stay in half of L1 while every token tile passes over them
+    gemv_block = max(gemv_rows, (_L1_BYTES // 2 // (K * wbytes)) // gemv_rows * gemv_rows)
+    # packed GEMM: MR x NR accumulators (NR = 2 vectors), KC x NR panel, block of NC columns in L2
+    mr, nr = (8, 2 * lanes) if lanes == 16 else (6, 2 * lanes)
+    kc = min(_round_up(K, 2), 512)
+    panel_budget = _L2_BYTES // 4 // (kc * 4)
+    nc = max(nr, min(panel_budget // nr * nr, _round_up(-(-N // 8), nr)))
+    return {
+        "gemv_rows": gemv_rows, "gemv_tokens": gemv_tokens, "gemv_block": gemv_block,
+        "gemv_unroll": 4, "prefetch_bytes": 0,
+        "gemm_min_t": 16,
+        "mr": mr, "nr": nr, "kc": kc, "nc": nc,
+        "k_tail": K % (2 * lanes if dot_bf16 else lanes),
+    }
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _plan_row_tail(size: str) -> Callable[[dict[str, Any], str], dict[str, Any]]:
+    """Elements of a row of ``size`` left after whole vectors of the template ISA."""
+    return lambda p, isa: {"tail": p[size] % _LANES[isa]}
+
+
+def _plan_attention(p: dict[str, Any], isa: str) -> dict[str, Any]:
+    return {"group": p["n_heads"] // p["n_kv_heads"]}
+
+
+def _check_attention(p: dict[str, Any]) -> None:
+    _positive("n_heads", "n_kv_heads", "head_dim", "block_size")(p)
+    _expect(p["n_heads"] % p["n_kv_heads"] == 0,
+            f"attention: {p['n_heads']} query heads are not a multiple of {p['n_kv_heads']} KV heads")
+    _expect(isinstance(p["window"], int) and p["window"] >= 0, f"attention window must be an int >= 0, got {p['window']!r}")
+    _expect(math.isfinite(p["scale"]) and p["scale"] > 0, f"attention scale must be positive, got {p['scale']}")
+
+
+def _check_rope(p: dict[str, Any]) -> None:
+    _positive("n_heads", "head_dim")(p)
+    _expect(p["head_dim"] % 2 == 0, f"rope needs an even head_dim, got {p['head_dim']}")
+    _expect(isinstance(p["inv_freq"], tuple) and len(p["inv_freq"]) == p["head_dim"] // 2,
+            f"rope inv_freq must hold head_dim/2 = {p['head_dim'] // 2} values")
+
+
+def _check_copy_cols(p: dict[str, Any]) -> None:
+    _positive("IN", "WIDTH")(p)
+    _expect(isinstance(p["OFFSET"], int) and 0 <= p["OFFSET"] and p["OFFSET"] + p["WIDTH"] <= p["IN"],
+            f"copy_cols: columns [{p['OFFSET']}, {p['OFFSET']} + {p['WIDTH']}) are not inside {p['IN']}")
+
+
+def _rope_digest(inv_freq: tuple[float, ...]) -> str:
+    return hashlib.sha256(np.asarray(inv_freq, dtype=np.float32).tobytes()).hexdigest()[:8]
+
+
+_F32 = "const float *"
+OPS: dict[str, _OpKernel] = {
+    "embedding": _OpKernel(
+        ("V", "H", "wdtype"),
+        "void {sym}(const int32_t *ids /* [T] */, int T, const {W} *table /* [V, H] */, float *out /* [T, H] */)",
+        ("scalar",),
+        lambda p: [p["wdtype"], f"v{p['V']}", f"h{p['H']}"],
+        _all(_positive("V", "H"), _check_wdtype)),
+    "rms_norm": _OpKernel(
+        ("H", "eps"),
+        "void {sym}(const float *x /* [T, H] */, int T, const float *w /* [H] */, float *out /* [T, H] */)",
+        ("scalar", "avx2", "avx512"),
+        lambda p: [f"h{p['H']}", f"eps{_sym_float(p['eps'])}"], _positive("H"), _plan_row_tail("H")),
+    "layer_norm": _OpKernel(
+        ("H", "eps"),
+        "void {sym}(const float *x /* [T, H] */, int T, const float *w /* [H] */, const float *b /* [H] */, "
+        "float *out /* [T, H] */)",
+        ("scalar", "avx2", "avx512"),
+        lambda p: [f"h{p['H']}", f"eps{_sym_float(p['eps'])}"], _positive("H")),
+    "linear": _OpKernel(
+        ("K", "N", "wdtype"),
+        "void {sym}(ife_pool *pool, const float *x /* [T, K] */, int T, const {W} *w /* [N, K] */, "
+        "const float *bias /* [N] or NULL */, float *y /* [T, N] */)",
+        ("scalar", "avx2", "avx512", "avx512-bf16"),
+        lambda p: [p["wdtype"], f"k{p['K']}", f"n{p['N']}"],
+        _all(_positive("K", "N"), _check_wdtype), _plan_linear,
+        variant_if=lambda isa, p: isa != "avx512-bf16" or p["wdtype"] == "bf16"),
+    "rope": _OpKernel(
+        ("n_heads", "head_dim", "inv_freq"),
+        "void {sym}(float *x /* [T, n_heads * head_dim], in place */, int T, const int32_t *pos /* [T] */)",
+        ("scalar",),
+        lambda p: [f"h{p['n_heads']}", f"d{p['head_dim']}", f"f{_rope_digest(p['inv_freq'])}"], _check_rope),
+    "attention": _OpKernel(
+        ("n_heads", "n_kv_heads", "head_dim", "block_size", "scale", "window"),
+        "void {sym}(ife_pool *pool, const float *q /* [T, n_heads * head_dim] */, "
+        "const float *k /* [T, n_kv_heads * head_dim] */, const float *v /* [T, n_kv_heads * head_dim] */, "
+        "int T, const int32_t *pos /* [T] */, const int32_t *seq /* [T] */, "
+        "const int32_t *block_table /* [n_slots, max_blocks] */, int max_blocks, "
+        "float *k_cache /* [n_blocks, block_size, n_kv_heads, head_dim] */, "
+        "float *v_cache /* [n_blocks, block_size, n_kv_heads, head_dim] */, float *out /* [T, n_heads * head_dim] */)",
+        ("scalar", "avx2", "avx512"),
+        lambda p: [f"h{p['n_heads']}", f"kv{p['n_kv_heads']}", f"d{p['head_dim']}", f"b{p['block_size']}",
+                   f"s{_sym_float(p['scale'])}", f"w{p['window']}"],
+        _check_attention, _plan_attention),
+    "silu_mul": _OpKernel(
+        ("N",),
+        "void {sym}(const float *gate /* [T, N] */, const float *up /* [T, N] */, int T, float *out /* [T, N] */)",
+        ("scalar", "avx2", "avx512"),
+        lambda p: [f"n{p['N']}"], _positive("N")),
+    "gelu": _OpKernel(
+        ("N", "approximate"),
+        "void {sym}(const float *x /* [T, N] */, int T, float *out /* [T, N] */)",
+        ("scalar", "avx2", "avx512"),
+        lambda p: [p["approximate"], f"n{p['N']}"],
+        _all(_positive("N"), lambda p: _expect(p["approximate"] in ("tanh", "none"),
+                                                f"gelu approximate must be 'tanh' or 'none', got {p['approximate']!r}"))),
+    "add": _OpKernel(
+        ("N",),
+        "void {sym}(const float *a /* [T, N] */, const float *b /* [T, N] */, int T, float *out /* [T, N] */)",
+        ("scalar",),
+        lambda p: [f"n{p['N']}"], _positive("N")),
+    "copy_cols": _OpKernel(
+        ("IN", "OFFSET", "WIDTH"),
+        "void {sym}(const float *x /* [T, IN] */, int T, float *out /* [T, WIDTH] */)",
+        ("scalar",),
+        lambda p: [f"in{p['IN']}", f"o{p['OFFSET']}", f"w{p['WIDTH']}"], _check_copy_cols),
+    "gather_rows": _OpKernel(
+        ("H",),
+        "void {sym}(const float *x /* [T, H] */, const int32_t *rows /* [R] */, int R, float *out /* [R, H] */)",
+        ("scalar",),
+        lambda p: [f"h{p['H']}"], _positive("H")),
+}
+
+
+def _op_kernel(op: str) -> _OpKernel:
+    try:
+        return OPS[op]
+    except KeyError:
+        raise UnsupportedError(f"no kernel template for op {op!r}; kernels exist for: {', '.join(OPS)}") from None
+
+
+def template_isa(spec: KernelSpec) -> str:
+    """The ISA whose template renders ``spec``: the nearest at or below ``spec.isa`` that has one."""
+    kernel = _op_kernel(spec.op)
+    params = dict(spec.params)
+    for isa in TARGETS[spec.isa].lineage():
+        if isa in kernel.variants and kernel.variant_if(isa, params):
+            return isa
+    raise AssertionError(f"{spec.op} has no scalar template")
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    root = files("infeng_templates")
+
+    def load(name: str) -> str | None:
+        path = root.joinpath(*name.split("/"))
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+
+    env = jinja2.Environment(loader=jinja2.FunctionLoader(load), undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters["cf"] = c_float
+    return env
+
+
+def render_template(name: str, **context: Any) -> str:
+    """Render ``templates/<name>`` with StrictUndefined."""
+    return _environment().get_template(name).render(**context)
+
+
+def render_kernel(spec: KernelSpec) -> str:
+    """The C translation unit defining ``spec.symbol``."""
+    kernel = _op_kernel(spec.op)
+    params = dict(spec.params)
+    isa = template_isa(spec)
+    context = dict(params, sym=spec.symbol, isa=isa, target_isa=spec.isa, prototype=kernel_prototype(spec),
+                   W=WEIGHT_CTYPES.get(params.get("wdtype", "f32")), **kernel.plan(params, isa))
+    body = render_template(f"kernels/{spec.op}/{isa}.c.j2", **context)
+    return (f"/* {spec.symbol}: {spec.op} for target {spec.isa}, rendered from kernels/{spec.op}/{isa}.c.j2 */\n"
+            + body)
+
+
+def kernel_prototype(spec: KernelSpec) -> str:
+    """The C declaration of ``spec.symbol`` (no trailing semicolon)."""
+    params = dict(spec.params)
+    return _op_kernel(spec.op).prototype.format(sym=spec.symbol, W=WEIGHT_CTYPES.get(params.get("wdtype", "f32")))
+
+
+def render_common() -> str:
+    """``ife_kernels.h``: pool API, conversions and ISA helpers, guarded by the compiler's ISA macros."""
+    return render_template("kernels/common.h.j2")
+
+
+#: How long an idle pool worker spins before sleeping, and how often it reads the clock.
+POOL_SPIN_NS = 200_000
+POOL_SPIN_CHECK_EVERY = 64
+#: Processor ids ``ife_default_threads`` can tell apart.
+POOL_MAX_CPUS = 4096
+
+
+def render_support(target: Target) -> str:
+    """``ife_support.c``: thread pool, scratch buffers and the CPU check for ``target``."""
+    return render_template("support.c.j2", target=target, features_env=FEATURES_ENV, spin_ns=POOL_SPIN_NS,
+                           spin_check_every=POOL_SPIN_CHECK_EVERY, max_cpus=POOL_MAX_CPUS)
+
+
+def library_sources(specs: list[KernelSpec], target: Target) -> tuple[dict[str, str], set[str]]:
+    """All sources of a kernel library for ``target`` and the names to compile without ISA flags.
+
+    One file per unique kernel (``<symbol>.c``) plus ``ife_kernels.h`` and ``ife_support.c``;
+    pass both results to ``build.build_library``.
+    """
+    sources = {COMMON_HEADER: render_common(), SUPPORT_SOURCE: render_support(target)}
+    for spec in dict.fromkeys(specs):
+        if spec.isa != target.name:
+            raise UnsupportedError(f"kernel {spec.symbol} is for ISA {spec.isa}, the library for {target.name}")
+        sources[f"{spec.symbol}.c"] = render_kernel(spec)
+    return sources, {SUPPORT_SOURCE}
+
+
+def cdef(specs: list[KernelSpec]) -> str:
+    """Declarations for ``cffi.FFI.cdef``: the pool API and every kernel of ``specs``."""
+    lines = [
+        "typedef struct ife_pool ife_pool;",
+        "ife_pool *ife_pool_create(int n_threads);",
+        "void ife_pool_destroy(ife_pool *pool);",
+        "int ife_pool_threads(const ife_pool *pool);",
+        "int ife_default_threads(void);",
+        "int ife_cpu_check(char *missing, int len);",
+        "const char *ife_target_name(void);",
+    ]
+    lines += [kernel_prototype(s) + ";" for s in dict.fromkeys(specs)]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,84 @@
+"""build.py: content-hash cache, concurrent builds of one library, compile errors that point at the
+rendered file and line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import cffi
+import pytest
+
+from infeng_compiler.codegen.build import BuildError, build_library
+from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources
+from infeng_compiler.codegen.target import TARGETS
+
+SPECS = [KernelSpec.make("add", "scalar", N=8)]
+
+
+def small_library() -> tuple[dict[str, str], set[str]]:
+    return library_sources(SPECS, TARGETS["scalar"])
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("INFENG_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_second_build_is_a_cache_hit(cache: Path):
+    sources, baseline = small_library()
+    first = build_library(sources, TARGETS["scalar"], baseline_sources=baseline)
+    second = build_library(sources, TARGETS["scalar"], baseline_sources=baseline)
+    assert not first.cache_hit and second.cache_hit
+    assert second.path == first.path and second.seconds < 0.1
+    assert (first.path.parent / "src" / f"{SPECS[0].symbol}.c").is_file()      # rendered sources kept
+    other = build_library(sources, TARGETS["avx2"], baseline_sources=baseline)   # flags are part of the key
+    assert not other.cache_hit and other.path != first.path
+
+
+def test_concurrent_builds_share_one_entry(cache: Path):
+    script = textwrap.dedent("""
+        from infeng_compiler.codegen.build import build_library
+        from infeng_compiler.codegen.kernels import KernelSpec, library_sources
+        from infeng_compiler.codegen.target import TARGETS
+        sources, baseline = library_sources([KernelSpec.make("add", "scalar", N=8)], TARGETS["scalar"])
+        print(build_library(sources, TARGETS["scalar"], baseline_sources=baseline).path)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    paths = {p.communicate()[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(paths) == 1
+    assert [e.name for e in cache.iterdir()] == [Path(paths.pop()).parent.name]   # no temp dirs left behind
+    sources, baseline = small_library()
+    library = build_library(sources, TARGETS["scalar"], baseline_sources=baseline)
+    assert library.cache_hit
+    ffi = cffi.FFI()
+    ffi.cdef(cdef(SPECS))
+    lib = ffi.dlopen(str(library.path))
+    a, b, out = ffi.new("float[8]", [1.0] * 8), ffi.new("float[8]", [2.0] * 8), ffi.new("float[8]")
+    getattr(lib, SPECS[0].symbol)(a, b, 1, out)
+    assert list(out) == [3.0] * 8
+
+
+def test_compile_error_names_file_and_line(cache: Path):
+    sources, baseline = small_library()
+    name = f"{SPECS[0].symbol}.c"
+    lines = sources[name].splitlines()
+    bad_line = len(lines)                                   # the closing brace of the kernel
+    lines[bad_line - 1] = "    undeclared_thing = 1; }"
+    sources[name] = "\n".join(lines) + "\n"
+    with pytest.raises(BuildError) as info:
+        build_library(sources, TARGETS["scalar"], baseline_sources=baseline)
+    message = str(info.value)
+    assert f"{name}:{bad_line}: error:" in message and "undeclared_thing" in message
+    kept = next(p for p in message.split() if p.endswith(f"{name}:{bad_line}:"))[: -len(f":{bad_line}:")]
+    assert Path(kept).is_file()                             # the path in the message is real
+
+
+def test_bad_source_names_are_refused(cache: Path):
+    with pytest.raises(BuildError, match="plain"):
+        build_library({"../escape.c": "int x;"}, TARGETS["scalar"])
+    with pytest.raises(BuildError, match="baseline"):
+        build_library({"a.c": "int x;"}, TARGETS["scalar"], baseline_sources={"b.c"})

@@ -146,12 +146,13 @@ def generate_command(model: Path = typer.Argument(..., help="model directory"),
     _print_generation(runner, tokenizer, prompt, params, as_json, "interpreter")
 
 
-def _print_generation(runner, tokenizer, prompt: str, params, as_json: bool, label: str) -> None:
+def _print_generation(runner, tokenizer, prompt: str, params, as_json: bool, label: str,
+                      adapter_slot: int = -1) -> None:
     """Stream the continuation to stdout (or one JSON object) and report tok/s."""
     from infeng_runtime.generation import Generation, stream
 
     result = Generation()
-    pieces = stream(runner, tokenizer, tokenizer.encode(prompt), params, result=result)
+    pieces = stream(runner, tokenizer, tokenizer.encode(prompt), params, result=result, adapter_slot=adapter_slot)
     if as_json:
         for _ in pieces:
             pass
@@ -199,7 +200,12 @@ def compile_command(model: Path = typer.Argument(..., help="model directory or m
                     profile: bool = typer.Option(False, "--profile", help="time every IR node (see infeng bench --profile)"),
                     timings: bool = typer.Option(False, "--timings", help="also show time per pass"),
                     lora: list[str] = typer.Option([], "--lora", help="NAME=DIR: a PEFT LoRA adapter (repeatable)"),
-                    merge: list[str] = typer.Option([], "--merge", help="fold adapter NAME into the weights")):
+                    merge: list[str] = typer.Option([], "--merge", help="fold adapter NAME into the weights"),
+                    max_adapters: int = typer.Option(0, "--max-adapters",
+                                                     help="LoRA slots for adapters loaded at run time"),
+                    max_rank: int = typer.Option(0, "--max-rank", help="max LoRA rank per slot (default 16)"),
+                    lora_targets: str = typer.Option("", "--lora-targets",
+                                                     help="modules with slots, e.g. q_proj+v_proj (default all)")):
     """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
     from rich.table import Table
 
@@ -210,7 +216,8 @@ def compile_command(model: Path = typer.Argument(..., help="model directory or m
     if unknown:
         raise InfengError(f"--merge {unknown[0]}: no adapter of that name; give it with --lora {unknown[0]}=DIR")
     options = CompileOptions(target=target, dtype=dtype.value, passes=passes, dump_ir=dump_ir,
-                             max_tokens=max_tokens, profile=profile, lora=adapters, merge=list(merge))
+                             max_tokens=max_tokens, profile=profile, lora=adapters, merge=list(merge),
+                             max_adapters=max_adapters, max_rank=max_rank, lora_targets=lora_targets)
     with progress_bar() as bar:
         task = bar.add_task("compile", total=None)
         summary = compile_model(model, output, options,
@@ -242,14 +249,20 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
                 top_k: int = typer.Option(0, "--top-k"),
                 seed: Optional[int] = typer.Option(None, "--seed"),
                 threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
+                adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: load a LoRA adapter (repeatable)"),
+                use: Optional[str] = typer.Option(None, "--use", help="generate with adapter NAME"),
                 as_json: bool = typer.Option(False, "--json")):
     """Generate from a compiled artifact, streaming text, and print tok/s."""
     from infeng_runtime.sampling import SamplingParams
 
     runner, tokenizer = _load_runner(artifact, Backend.compiled, threads)
+    for name, path in parse_named_paths(adapter, "--adapter").items():
+        runner.load_adapter(name, path)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
-    _print_generation(runner, tokenizer, prompt, params, as_json, f"compiled, {runner.threads} threads")
+    slot = runner.adapter_slot(use, seq=0) if use else -1
+    label = f"compiled, {runner.threads} threads" + (f", adapter {use}" if use else "")
+    _print_generation(runner, tokenizer, prompt, params, as_json, label, slot)
 
 
 @app.command("bench")

@@ -36,11 +36,20 @@ class CompileOptions:
     profile: bool = False               # time every IR node in the generated code
     lora: dict[str, Path] = field(default_factory=dict)   # adapter name -> PEFT adapter dir
     merge: list[str] = field(default_factory=list)         # adapters folded into the weights
+    max_adapters: int = 0               # LoRA slots (0: none, unless unmerged --lora adapters need them)
+    max_rank: int = 0                   # max rank per slot (0: the largest rank among --lora adapters)
+    lora_targets: str = ""              # '+'-separated module suffixes with slots (default: all linears)
 
-    def pipeline(self) -> list[tuple[str, list[str]]]:
+    def pipeline(self, adapters: dict | None = None) -> list[tuple[str, list[str]]]:
         if self.passes:
             return parse_pipeline(self.passes)
-        return [("merge-lora", [name]) for name in self.merge] + [("cast-weights", [self.dtype])]
+        entries = [("merge-lora", [name]) for name in self.merge]
+        slotted = [a for name, a in (adapters or {}).items() if name not in self.merge]
+        if self.max_adapters or slotted:
+            k = self.max_adapters or max(4, len(slotted))
+            r = self.max_rank or max([a.max_rank for a in slotted] + [16])
+            entries.append(("lora-slots", [str(k), str(r)] + ([self.lora_targets] if self.lora_targets else [])))
+        return entries + [("cast-weights", [self.dtype])]
 
 
 @dataclass
@@ -76,8 +85,8 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
 
     model_dir = resolve_model_dir(model)
     graph = timed("import", lambda: import_hf(model))
-    pipeline = options.pipeline()
     adapters = timed("adapters", lambda: {name: load_adapter(path, graph, name) for name, path in options.lora.items()})
+    pipeline = options.pipeline(adapters)
     manager = PassManager(pipeline, dump_dir=options.dump_ir)
     timed("passes", lambda: manager.run(graph, {"adapters": adapters}))
     lowered = timed("lower", lambda: lower(graph, target, max_tokens=options.max_tokens,
@@ -95,6 +104,12 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
         for name, text in sources.items():
             (staging / "src" / name).write_text(text)
         (staging / "ir.txt").write_text(print_graph(graph))
+        bundled = [name for name in adapters if name not in options.merge]
+        for name in bundled:          # loaded into slots when the artifact is loaded
+            dest = staging / "adapters" / name
+            dest.mkdir(parents=True)
+            for f in ("adapter_config.json", "adapter_model.safetensors"):
+                shutil.copy2(adapters[name].path / f, dest / f)
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, staging / name)
@@ -116,6 +131,7 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
                          "nbytes": s.nbytes} for s in lowered.weights],
             "kernels": [s.symbol for s in lowered.specs],
             "profile": [vars(e) for e in lowered.profile] if options.profile else [],
+            "adapters": {"merged": list(options.merge), "bundled": bundled},
             "build": {"key": build.path.parent.name, "cache_hit": build.cache_hit},
         }
         write_manifest(staging, manifest)

@@ -51,6 +51,7 @@ class Step:
     seq_ids: np.ndarray          # [T] sequence of each token
     logits_rows: np.ndarray      # [R] token rows whose logits are returned
     kv: KVStore = field(default_factory=KVStore)
+    lora: dict = field(default_factory=dict)     # adapter slot -> {base weight name: LoraModule}
 
 
 class Interpreter:
@@ -60,6 +61,14 @@ class Interpreter:
         self.graph = graph
         self.kv = KVStore()
         self._weights: dict[str, np.ndarray] = {}
+        self.lora: dict[int, dict] = {}          # adapter slot -> {base weight name: LoraModule}
+
+    def load_adapter(self, slot: int, adapter) -> None:
+        """Put a ``frontends.peft.LoraAdapter`` in ``slot`` (graphs with ``lora_linear`` nodes)."""
+        self.lora[slot] = dict(adapter.modules)
+
+    def unload_adapter(self, slot: int) -> None:
+        self.lora.pop(slot, None)
 
     def weight(self, name: str) -> np.ndarray:
         if name not in self._weights:
@@ -67,16 +76,18 @@ class Interpreter:
         return self._weights[name]
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
-             logits_rows: np.ndarray | None = None) -> np.ndarray:
-        """Logits [R, vocab] for ``logits_rows`` (default: every row)."""
+             logits_rows: np.ndarray | None = None, adapter_slots: np.ndarray | None = None) -> np.ndarray:
+        """Logits [R, vocab] for ``logits_rows`` (default: every row); ``adapter_slots`` [T]: the
+        LoRA slot of each token, -1 for the base model."""
         tokens = np.asarray(tokens, dtype=np.int32)
         positions = np.asarray(positions, dtype=np.int32)
         seq_ids = np.asarray(seq_ids, dtype=np.int32)
         if not (tokens.shape == positions.shape == seq_ids.shape and tokens.ndim == 1):
             raise InfengError("tokens, positions and seq_ids must be 1-D arrays of one length")
         rows = np.arange(len(tokens)) if logits_rows is None else np.asarray(logits_rows, dtype=np.int64)
-        ctx = Step(seq_ids, rows, self.kv)
-        env: dict[str, np.ndarray] = {"tokens": tokens, "positions": positions}
+        ctx = Step(seq_ids, rows, self.kv, self.lora)
+        slots = np.full(len(tokens), -1, np.int32) if adapter_slots is None else np.asarray(adapter_slots, np.int32)
+        env: dict[str, np.ndarray] = {"tokens": tokens, "positions": positions, "adapter_slots": slots}
         for v in self.graph.inputs:
             if v.name not in env:
                 raise InfengError(f"graph input %{v.name} is not provided by the interpreter")

@@ -11,6 +11,7 @@ import numpy as np
 from infeng_compiler.artifact import LIBRARY, WEIGHTS, ArtifactError, read_manifest
 from infeng_compiler.errors import InfengError
 
+from .adapters import AdapterSlots
 from .kv_cache import BlockAllocator
 from .tokenizer import Tokenizer
 
@@ -58,6 +59,12 @@ class Engine:
             raise InfengError(f"{self.path}: cannot create the model: {self.ffi.string(err).decode()}")
         self._handle = self.ffi.gc(handle, self.lib.ife_destroy)
         self.threads = int(self.lib.ife_threads(self._handle))
+        constants = self.manifest["constants"]
+        self.lora = AdapterSlots(constants.get("lora_sites", []), int(constants.get("lora_slots", 0)),
+                                 int(constants.get("lora_rank", 0)), self.manifest["name"], self._write_lora)
+        self.seq_adapter: dict[int, str] = {}     # live sequences that use an adapter
+        for name in self.manifest.get("adapters", {}).get("bundled", []):
+            self.load_adapter(name, self.path / "adapters" / name)
         self.tokenizer = Tokenizer(self.path, meta.get("bos_token_id"), meta.get("eos_token_ids")) \
             if (self.path / "tokenizer.json").is_file() else None
 
@@ -65,8 +72,44 @@ class Engine:
     def load(cls, path: str | Path, **kwargs) -> "Engine":
         return cls(path, **kwargs)
 
-    def step(self, tokens, positions, seq_ids, logits_rows=None) -> np.ndarray:
-        """Logits [R, vocab] for ``logits_rows`` (default: every row) after running all tokens."""
+    # -- adapters ---------------------------------------------------------------------------
+    def _write_lora(self, slot: int, site: int, rank: int, scale: float, a, b) -> None:
+        null = self.ffi.NULL
+        rc = self.lib.ife_lora_set(self._handle, slot, site, rank, scale,
+                                   null if a is None else self.ffi.from_buffer("float[]", a),
+                                   null if b is None else self.ffi.from_buffer("float[]", b))
+        if rc != 0:
+            raise InfengError(f"ife_lora_set(slot={slot}, site={site}, rank={rank}) refused")
+
+    def load_adapter(self, name: str, path: str | Path, scale: float = 1.0) -> int:
+        """Load a PEFT LoRA adapter into a free slot (LRU-evicting an idle one); returns the slot."""
+        return self.lora.load(name, path, scale, busy=set(self.seq_adapter.values()))
+
+    def unload_adapter(self, name: str) -> None:
+        if name in self.seq_adapter.values():
+            from .adapters import AdapterError
+
+            raise AdapterError(f"adapter {name!r} is used by a running sequence")
+        self.lora.unload(name)
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        """Loaded adapters: name -> slot."""
+        return dict(self.lora.slot_of)
+
+    def adapter_slot(self, name: str | None, seq: int | None = None) -> int:
+        """The slot for ``name`` (-1 for None = base), recorded as in use by ``seq`` until freed."""
+        if name is None:
+            return -1
+        slot = self.lora.touch(name)
+        if seq is not None:
+            self.seq_adapter[int(seq)] = name
+        return slot
+
+    def step(self, tokens, positions, seq_ids, logits_rows=None, adapter_slots=None) -> np.ndarray:
+        """Logits [R, vocab] for ``logits_rows`` (default: every row) after running all tokens.
+
+        ``adapter_slots`` [T]: the LoRA slot of each token (``adapter_slot(name)``), -1 = base."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         positions = np.ascontiguousarray(positions, dtype=np.int32)
         seq_ids = np.asarray(seq_ids)
@@ -81,6 +124,13 @@ class Engine:
             mask = seq_ids == seq
             self.kv.ensure(int(seq), int(positions[mask].max()) + 1)
             slots[mask] = self.kv.slot_of[int(seq)]
+        if adapter_slots is not None:
+            adapter_slots = np.ascontiguousarray(adapter_slots, dtype=np.int32)
+            if adapter_slots.shape != (n,):
+                raise InfengError("adapter_slots must have one entry per token")
+            if adapter_slots.max() >= max(self.lora.n_slots, 0) and adapter_slots.max() >= 0:
+                raise InfengError(f"adapter slot {adapter_slots.max()} out of range (the artifact has "
+                                  f"{self.lora.n_slots} slots)")
         logits = np.empty((len(rows), self.vocab_size), dtype=np.float32)
         ffi, table = self.ffi, self.kv.block_table
         for start in range(0, n, self.max_tokens):
@@ -93,7 +143,8 @@ class Engine:
                 ffi.from_buffer("int32_t[]", tokens[start:end]), ffi.from_buffer("int32_t[]", positions[start:end]),
                 ffi.from_buffer("int32_t[]", slots[start:end]), ffi.from_buffer("int32_t[]", table),
                 table.shape[1], len(want), ffi.from_buffer("int32_t[]", chunk_rows),
-                ffi.from_buffer("float[]", out))
+                ffi.from_buffer("float[]", out),
+                ffi.NULL if adapter_slots is None else ffi.from_buffer("int32_t[]", adapter_slots[start:end]))
             if rc != 0:
                 raise InfengError(f"ife_forward failed with code {rc}")
             logits[want] = out
@@ -118,6 +169,7 @@ class Engine:
 
     def free(self, seq: int) -> None:
         self.kv.free(int(seq))
+        self.seq_adapter.pop(int(seq), None)
 
     def close(self) -> None:
         if getattr(self, "_handle", None) is not None:

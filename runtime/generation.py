@@ -84,15 +84,23 @@ class _Sequence:
         return text
 
 
+def _slots(adapter_slot: int, n: int) -> dict:
+    """The ``adapter_slots`` keyword of a step, or nothing for the base model."""
+    return {} if adapter_slot < 0 else {"adapter_slots": np.full(n, adapter_slot, dtype=np.int32)}
+
+
 def stream(backend: StepBackend, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
-           seq_id: int = 0, result: Generation | None = None) -> Iterator[str]:
-    """Yield text deltas of one sequence's continuation; ``result`` collects ids, timings, finish reason."""
+           seq_id: int = 0, result: Generation | None = None, adapter_slot: int = -1) -> Iterator[str]:
+    """Yield text deltas of one sequence's continuation; ``result`` collects ids, timings, finish reason.
+
+    ``adapter_slot``: the LoRA slot the sequence runs with (-1: the base model)."""
     result = result if result is not None else Generation()
     seq = _Sequence(tokenizer, prompt_ids, params, result)
     n = len(prompt_ids)
     try:
         t0 = time.perf_counter()
-        logits = backend.step(np.array(prompt_ids), np.arange(n), np.full(n, seq_id), np.array([n - 1]))
+        logits = backend.step(np.array(prompt_ids), np.arange(n), np.full(n, seq_id), np.array([n - 1]),
+                              **_slots(adapter_slot, n))
         result.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         while not seq.done:
@@ -101,31 +109,37 @@ def stream(backend: StepBackend, tokenizer: Tokenizer, prompt_ids: list[int], pa
                 yield text
             if not seq.done:
                 logits = backend.step(np.array([seq.last_token]), np.array([seq.position]), np.array([seq_id]),
-                                      np.array([0]))
+                                      np.array([0]), **_slots(adapter_slot, 1))
                 seq.position += 1
         result.decode_seconds = time.perf_counter() - t1
     finally:
         backend.free(seq_id)
 
 
-def generate(backend: StepBackend, tokenizer: Tokenizer, prompt: str, params: SamplingParams) -> Generation:
+def generate(backend: StepBackend, tokenizer: Tokenizer, prompt: str, params: SamplingParams,
+             adapter_slot: int = -1) -> Generation:
     result = Generation()
-    for _ in stream(backend, tokenizer, tokenizer.encode(prompt), params, result=result):
+    for _ in stream(backend, tokenizer, tokenizer.encode(prompt), params, result=result, adapter_slot=adapter_slot):
         pass
     return result
 
 
 def generate_batch(backend: StepBackend, tokenizer: Tokenizer, prompts: list[list[int]],
-                   params: SamplingParams | list[SamplingParams]) -> list[Generation]:
-    """Continue every prompt, all sequences sharing each step; per-sequence params allowed."""
+                   params: SamplingParams | list[SamplingParams],
+                   adapter_slots: list[int] | None = None) -> list[Generation]:
+    """Continue every prompt, all sequences sharing each step; per-sequence params and LoRA slots
+    (-1: base) allowed, so sequences with different adapters share a step."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
+    per_seq = np.array(adapter_slots if adapter_slots is not None else [-1] * len(prompts), dtype=np.int32)
+    use_slots = bool((per_seq >= 0).any())
     results = [Generation() for _ in prompts]
     seqs = [_Sequence(tokenizer, ids, p, r) for ids, p, r in zip(prompts, plist, results)]
     try:
         t0 = time.perf_counter()
         lens = [len(ids) for ids in prompts]
+        extra = {"adapter_slots": np.repeat(per_seq, lens)} if use_slots else {}
         logits = backend.step(np.concatenate(prompts), np.concatenate([np.arange(n) for n in lens]),
-                              np.repeat(np.arange(len(prompts)), lens), np.cumsum(lens) - 1)
+                              np.repeat(np.arange(len(prompts)), lens), np.cumsum(lens) - 1, **extra)
         prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
         live = list(range(len(seqs)))
@@ -135,8 +149,9 @@ def generate_batch(backend: StepBackend, tokenizer: Tokenizer, prompts: list[lis
             live = [i for i in live if not seqs[i].done]
             if not live:
                 break
+            extra = {"adapter_slots": per_seq[live]} if use_slots else {}
             logits = backend.step(np.array([seqs[i].last_token for i in live]),
-                                  np.array([seqs[i].position for i in live]), np.array(live))
+                                  np.array([seqs[i].position for i in live]), np.array(live), **extra)
             for i in live:
                 seqs[i].position += 1
         decode = time.perf_counter() - t1

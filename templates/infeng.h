@@ -39,7 +39,16 @@ ife_model *ife_create(const char *weights_path, int n_kv_blocks, int n_threads, 
  * Rows of one sequence must appear in increasing position order. */
 int ife_forward(ife_model *m, int n_tokens, const int32_t *tokens, const int32_t *positions,
                 const int32_t *seq_slots, const int32_t *block_table, int max_blocks,
-                int n_logits, const int32_t *logits_rows, float *logits);
+                int n_logits, const int32_t *logits_rows, float *logits, const int32_t *adapter_slots);
+
+/* LoRA slots (a library compiled with lora-slots; else ife_lora_sites() is 0). adapter_slots of
+ * ife_forward: [n_tokens], the slot of each token, -1 for the base model; NULL for all -1.
+ * ife_lora_set copies one site's matrices into a slot: a [rank, in], b [out, rank] (PEFT's
+ * lora_A / lora_B), scale = alpha / r; rank 0 clears it. Returns nonzero on a bad argument. */
+int ife_lora_sites(void);
+int ife_lora_slots(void);
+int ife_lora_max_rank(void);
+int ife_lora_set(ife_model *m, int slot, int site, int rank, float scale, const float *a, const float *b);
 
 int ife_threads(const ife_model *m);
 

@@ -101,6 +101,8 @@ class _Lowering:
         self.arena = _Arena()
         self.slice: dict[str, int] = {}          # value name -> arena offset (floats per row)
         self.node = 0                            # index of the node being lowered
+        self.lora_sites: list[dict[str, Any]] = []   # one per lora_linear node
+        self.lora_shape = (0, 0)                 # (adapter slots, max rank)
 
     # -- helpers --------------------------------------------------------------------------
     def spec(self, op: str, **params: Any) -> KernelSpec:
@@ -137,6 +139,9 @@ class _Lowering:
             for v in n.inputs:
                 last_use[v.name] = i
         graph_inputs = {v.name for v in self.g.inputs}
+        unknown = graph_inputs - {"tokens", "positions", "adapter_slots"}
+        if unknown:
+            raise UnsupportedError(f"codegen does not know how to feed graph inputs {sorted(unknown)}")
         profile = []
         for i, n in enumerate(self.g.nodes):
             self.node = i
@@ -159,7 +164,8 @@ class _Lowering:
             {"max_tokens": self.max_tokens, "block_size": self.block_size, "vocab_size": c["vocab_size"],
              "hidden_size": c["hidden_size"], "n_layers": len(attn),
              "n_kv_heads": attn[0].attrs["n_kv_heads"] if attn else 0,
-             "head_dim": attn[0].attrs["head_dim"] if attn else 0},
+             "head_dim": attn[0].attrs["head_dim"] if attn else 0,
+             "lora_slots": self.lora_shape[0], "lora_rank": self.lora_shape[1], "lora_sites": self.lora_sites},
             profile)
 
     @staticmethod
@@ -203,6 +209,19 @@ class _Lowering:
         spec = self.spec("linear", K=w.type.shape[1], N=w.type.shape[0], wdtype=w.format)
         bias = self.weight(n.weights[1]) if len(n.weights) > 1 else "NULL"
         self.emit(spec, ["pool", self.buf(n.inputs[0]), "T", self.weight(w), bias, self.buf(n.output)], comment)
+
+    def lower_lora_linear(self, n: Node, comment: str) -> None:
+        """The base product, then each token's adapter delta from its slot (``lora_apply``)."""
+        self.lower_linear(n, comment)
+        w, a = n.weights[0], n.attrs
+        site = a["site"]
+        self.lora_sites.append({"site": site, "target": a["target"], "in": w.type.shape[1], "out": w.type.shape[0]})
+        self.lora_shape = (a["max_adapters"], a["max_rank"])
+        spec = self.spec("lora_apply", K=w.type.shape[1], N=w.type.shape[0], R=a["max_rank"],
+                         slots=a["max_adapters"])
+        self.emit(spec, [self.buf(n.inputs[0]), "T", "adapter_slots", f"m->lora_rank[{site}]",
+                         f"m->lora_scale[{site}]", f"m->lora_a[{site}]", f"m->lora_bt[{site}]", self.buf(n.output)],
+                  comment + "  [adapter deltas]", guard="adapter_slots")
 
     def lower_logits(self, n: Node, comment: str) -> None:
         w = n.weights[0]

@@ -97,8 +97,17 @@ def _targeted(config: dict[str, Any], module: str, linear_modules: set[str]) -> 
     return hit
 
 
-def load_adapter(path: str | Path, graph: Graph, name: str | None = None) -> LoraAdapter:
-    """Read a PEFT LoRA adapter directory and check it against ``graph``."""
+def linear_shapes(graph: Graph) -> dict[str, tuple[int, int]]:
+    """[out, in] of every linear layer's weight, by weight name: what an adapter may target."""
+    return {n.weights[0].name: tuple(n.weights[0].type.shape) for n in graph.nodes if n.op in ("linear", "lora_linear")}
+
+
+def load_adapter(path: str | Path, base: Graph | dict[str, tuple[int, int]], name: str | None = None,
+                 base_name: str | None = None) -> LoraAdapter:
+    """Read a PEFT LoRA adapter directory and check it against the base: a graph, or the [out, in]
+    shapes of its linear weights by name (what an artifact's manifest records)."""
+    linears = linear_shapes(base) if isinstance(base, Graph) else base
+    base_name = base.name if isinstance(base, Graph) else (base_name or "the base model")
     path = Path(path)
     name = name or path.name
     cfg_path = path / "adapter_config.json"
@@ -118,13 +127,13 @@ def load_adapter(path: str | Path, graph: Graph, name: str | None = None) -> Lor
         raise ModelFormatError(f"{weights_path}: file not found")
     if config.get("peft_type", "LORA") != "LORA":
         raise UnsupportedError(f"{cfg_path}: peft_type {config.get('peft_type')!r} is not supported (LORA only)")
-    base = config.get("base_model_name_or_path")
-    if base and graph.name not in str(base).split("/")[-1] and str(base).split("/")[-1] not in graph.name:
-        warnings.warn(f"{cfg_path}: adapter was trained on {base}, the base model is {graph.name}", stacklevel=2)
+    trained_on = str(config.get("base_model_name_or_path") or "").split("/")[-1]
+    if trained_on and trained_on not in base_name and base_name not in trained_on:
+        warnings.warn(f"{cfg_path}: adapter was trained on {config['base_model_name_or_path']}, "
+                      f"the base model is {base_name}", stacklevel=2)
 
     table = read_safetensors_header(weights_path)
-    linear_weights = {w.name: w for n in graph.nodes if n.op == "linear" for w in n.weights[:1]}
-    linear_modules = {k[: -len(".weight")] for k in linear_weights}
+    linear_modules = {k[: -len(".weight")] for k in linears}
     by_module: dict[str, dict[str, np.ndarray]] = {}
     for key, entry in table.items():
         m = re.match(r"^(.*)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight$|^(.*)\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?$",
@@ -142,13 +151,13 @@ def load_adapter(path: str | Path, graph: Graph, name: str | None = None) -> Lor
     r_default, alpha_default = config.get("r", 8), config.get("lora_alpha", 8)
     for module, parts in sorted(by_module.items()):
         weight_name = module + ".weight"
-        if weight_name not in linear_weights:
+        if weight_name not in linears:
             raise AdapterMismatchError(f"{weights_path}: tensor for {module} targets no linear layer of the base "
-                                       f"model {graph.name} (no weight {weight_name})")
+                                       f"model {base_name} (no weight {weight_name})")
         if "lora_A" not in parts or "lora_B" not in parts:
             raise ModelFormatError(f"{weights_path}: {module} lacks lora_A or lora_B")
         A, B = parts["lora_A"], parts["lora_B"]
-        out_dim, in_dim = linear_weights[weight_name].type.shape
+        out_dim, in_dim = linears[weight_name]
         if A.ndim != 2 or B.ndim != 2 or A.shape[1] != in_dim or B.shape[0] != out_dim or A.shape[0] != B.shape[1]:
             raise AdapterMismatchError(f"{weights_path}: tensor {PEFT_PREFIX}{module}.lora_A/B has shapes "
                                        f"{list(A.shape)} / {list(B.shape)}, but base weight {weight_name} is "
@@ -172,5 +181,5 @@ def load_adapter(path: str | Path, graph: Graph, name: str | None = None) -> Lor
         raise AdapterMismatchError(f"{weights_path}: target module {missing[0]} of the base model has no LoRA "
                                    f"weights in the adapter ({len(missing)} missing)")
     if not adapter.modules:
-        raise AdapterMismatchError(f"{weights_path}: no LoRA tensor matches a linear layer of {graph.name}")
+        raise AdapterMismatchError(f"{weights_path}: no LoRA tensor matches a linear layer of {base_name}")
     return adapter

@@ -16,7 +16,9 @@ import numpy as np
 from ..errors import IRError, UnsupportedError
 from .types import TensorType
 
-ShapeRule = Callable[[list[TensorType], list[TensorType], dict[str, Any]], list[TensorType]]
+#: A shape rule returns the result types, or None where they depend on operand *values* (primitive
+#: ops of the ONNX import: their types are established by evaluation at import and declared).
+ShapeRule = Callable[[list[TensorType], list[TensorType], dict[str, Any]], list[TensorType] | None]
 Reference = Callable[[list[np.ndarray], list[np.ndarray], dict[str, Any], Any], list[np.ndarray]]
 
 
@@ -29,6 +31,11 @@ class OpDef:
     shape: ShapeRule
     reference: Reference
     doc: str
+
+    def input_count_ok(self, n: int) -> bool:
+        """Inputs ending in '?' are optional (trailing), one ending in '*' takes any number."""
+        required = sum(1 for i in self.inputs if not i.endswith(("?", "*")))
+        return required <= n and (n <= len(self.inputs) or any(i.endswith("*") for i in self.inputs))
 
     def weight_count_ok(self, n: int) -> bool:
         required = sum(1 for w in self.weights if not w.endswith("?"))
@@ -73,7 +80,7 @@ def get(name: str) -> OpDef:
 
 def infer_types(name: str, ins: list[TensorType], ws: list[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
     opdef = get(name)
-    if len(ins) != len(opdef.inputs):
+    if not opdef.input_count_ok(len(ins)):
         raise IRError(f"{name} takes {len(opdef.inputs)} inputs ({', '.join(opdef.inputs)}), got {len(ins)}")
     if not opdef.weight_count_ok(len(ws)):
         raise IRError(f"{name} takes weights ({', '.join(opdef.weights)}), got {len(ws)}")
@@ -161,6 +168,29 @@ def _linear_ref(ins, ws, attrs, step):
     return [y.astype(np.float32)]
 
 
+@op("lora_linear", inputs=("x", "adapter_slots"), weights=("weight", "bias?"),
+    attrs=("site", "target", "max_adapters", "max_rank"))
+def _lora_linear_shape(ins, ws, attrs):
+    """``linear`` plus, for each token whose adapter slot is >= 0, scale * (x @ A^T) @ B^T of the
+    adapter loaded in that slot for site ``site`` (the base weight ``target``); tokens of slot -1
+    (and slots with nothing loaded for this site) get the base product only."""
+    _expect(ins[1].dtype == "i32" and ins[1].rank == 1, f"lora_linear adapter_slots must be i32[T], got {ins[1]}")
+    return _linear_shape(ins[:1], ws, attrs)
+
+
+@reference("lora_linear")
+def _lora_linear_ref(ins, ws, attrs, step):
+    x, slots = ins
+    y = _linear_ref([x], ws, attrs, step)[0].astype(np.float64)
+    for slot in np.unique(slots[slots >= 0]):
+        module = step.lora.get(int(slot), {}).get(attrs["target"])
+        if module is None:
+            continue
+        rows = slots == slot
+        y[rows] += module.scale * ((x[rows].astype(np.float64) @ module.A.T) @ module.B.T)
+    return [y.astype(np.float32)]
+
+
 @op("logits", inputs=("x",), weights=("weight",))
 def _logits_shape(ins, ws, attrs):
     """The rows that want logits (``R`` of the step) times the output embedding [V,H]^T -> f32[R,V]."""
@@ -233,7 +263,8 @@ def _gelu_ref(ins, ws, attrs, step):
 def _rope_shape(ins, ws, attrs):
     """Rotate each head's halves (the Hugging Face "rotate_half" layout) by position * inv_freq.
 
-    ``scaling`` (optional) is the config's rope_scaling: none, linear or llama3.
+    ``scaling`` (optional) is the config's rope_scaling: none, linear or llama3. ``inv_freq``
+    (optional) gives the inverse frequencies [head_dim/2] explicitly and overrides theta/scaling.
     """
     _expect(ins[0].shape[-1] == attrs["n_heads"] * attrs["head_dim"],
             f"rope: {ins[0]} is not {attrs['n_heads']} heads of {attrs['head_dim']}")
@@ -243,6 +274,8 @@ def _rope_shape(ins, ws, attrs):
 
 def rope_inv_freq(attrs: dict[str, Any]) -> np.ndarray:
     """Inverse frequencies [head_dim/2] after scaling, as transformers computes them (float32)."""
+    if attrs.get("inv_freq") is not None:      # an explicit table (ONNX import, when no theta reproduces it)
+        return np.asarray(attrs["inv_freq"], dtype=np.float32)
     hd, theta = attrs["head_dim"], attrs["theta"]
     dim = attrs.get("rotary_dim", hd)
     inv = (1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(np.float32)
@@ -328,3 +361,277 @@ def _attention_ref(ins, ws, attrs, step):
         prob /= prob.sum(axis=-1, keepdims=True)
         out[rows] = (prob @ V).transpose(1, 0, 2)
     return [out.reshape(T, h * hd)]
+
+
+# =============================================================================================
+# primitive ops (ONNX import, before raising)
+#
+# One op per ONNX operator of the subset a torch-exported decoder uses, with ONNX semantics
+# (N-d tensors, broadcasting, batch dimension, parameter tensors as operands). The ONNX frontend
+# emits them and the ``fold-shapes``/``raise`` passes turn them back into the ops above; codegen
+# has no kernels for them. Their result types depend on operand values (a Reshape's shape is a
+# tensor), so the frontend establishes them by evaluating the graph at two sequence lengths and
+# declares them; the shape rules below only check operand counts.
+# =============================================================================================
+#: ONNX operator -> primitive op name (snake case; ``_nd`` where a transformer op has the name).
+ONNX_PRIMITIVES: dict[str, str] = {}
+
+
+def _primitive(onnx_name: str, name: str, inputs: tuple[str, ...], fn: Callable[..., Any]) -> None:
+    """Register primitive ``name`` for ONNX ``onnx_name``; ``fn(*inputs, attrs=...)`` -> array or list."""
+    ONNX_PRIMITIVES[onnx_name] = name
+    op(name, inputs=inputs)(lambda ins, ws, attrs: None)
+
+    def ref(ins, ws, attrs, step, fn=fn):
+        out = fn(*ins, **attrs) if attrs else fn(*ins)
+        return [np.asarray(o) for o in out] if isinstance(out, list) else [np.asarray(out)]
+
+    reference(name)(ref)
+
+
+def _same_dtype(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    return lambda x, **a: fn(x).astype(x.dtype)
+
+
+def _binary(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable[..., np.ndarray]:
+    return lambda a, b, **_: np.asarray(fn(a, b)).astype(np.result_type(a.dtype, b.dtype) if a.dtype != bool else bool)
+
+
+def _div(a, b, **_):
+    if np.issubdtype(a.dtype, np.integer):
+        return np.trunc(a / b).astype(a.dtype)
+    return (a / b).astype(a.dtype)
+
+
+def _axes(axes, attr_axes=None) -> tuple[int, ...] | None:
+    got = attr_axes if axes is None else axes
+    return None if got is None else tuple(int(a) for a in np.asarray(got).reshape(-1))
+
+
+def _reduce(fn):
+    def run(x, axes=None, keepdims=1, noop_with_empty_axes=0, **attrs):
+        ax = _axes(axes, attrs.get("axes_attr"))
+        if not ax:
+            if noop_with_empty_axes:
+                return x
+            ax = None
+        return fn(x.astype(np.float64) if x.dtype.kind == "f" else x, axis=ax, keepdims=bool(keepdims)).astype(x.dtype)
+    return run
+
+
+def _softmax(x, axis=-1, **_):
+    z = x.astype(np.float64)
+    z = np.exp(z - z.max(axis=axis, keepdims=True))
+    return (z / z.sum(axis=axis, keepdims=True)).astype(x.dtype)
+
+
+def _gather(data, indices, axis=0, **_):
+    idx = np.where(indices < 0, indices + data.shape[axis], indices)
+    return np.take(data, idx, axis=axis)
+
+
+def _reshape(x, shape, allowzero=0, **_):
+    dims = [int(d) for d in shape]
+    if not allowzero:
+        dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
+    return x.reshape(dims)
+
+
+def _unsqueeze(x, axes=None, **attrs):
+    ax = _axes(axes, attrs.get("axes_attr"))
+    rank = x.ndim + len(ax)
+    return x.reshape(_insert_ones(x.shape, sorted(a % rank for a in ax)))
+
+
+def _insert_ones(shape, axes):
+    out = list(shape)
+    for a in axes:
+        out.insert(a, 1)
+    return out
+
+
+def _squeeze(x, axes=None, **attrs):
+    ax = _axes(axes, attrs.get("axes_attr"))
+    return np.squeeze(x, axis=None if ax is None else tuple(a % x.ndim for a in ax))
+
+
+def _slice(x, starts, ends, axes=None, steps=None, **_):
+    axes = range(len(starts)) if axes is None else [int(a) % x.ndim for a in axes]
+    steps = [1] * len(starts) if steps is None else steps
+    index = [slice(None)] * x.ndim
+    for a, b, e, s in zip(axes, starts, ends, steps):
+        index[a] = slice(int(b), int(e), int(s))
+    return x[tuple(index)]
+
+
+def _split(x, split=None, axis=0, num_outputs=None, **_):
+    if split is None:
+        n = x.shape[axis]
+        size = -(-n // num_outputs)
+        split = [size] * (num_outputs - 1) + [n - size * (num_outputs - 1)]
+    cuts = np.cumsum([int(s) for s in split])[:-1]
+    return [np.ascontiguousarray(p) for p in np.split(x, cuts, axis=axis)]
+
+
+def _expand(x, shape, **_):
+    return np.array(np.broadcast_to(x, np.broadcast_shapes(x.shape, tuple(int(d) for d in shape))))
+
+
+def _shape(x, start=0, end=None, **_):
+    return np.array(x.shape[start:end], dtype=np.int64)
+
+
+def _cumsum(x, axis, exclusive=0, reverse=0, **_):
+    ax = int(np.asarray(axis).reshape(()))
+    y = np.flip(x, ax) if reverse else x
+    out = np.cumsum(y, axis=ax, dtype=x.dtype)
+    if exclusive:
+        out = np.concatenate([np.zeros_like(np.take(out, [0], axis=ax)), np.delete(out, -1, axis=ax)], axis=ax)
+    return np.flip(out, ax) if reverse else out
+
+
+def _gather_nd(data, indices, batch_dims=0, **_):
+    if batch_dims:
+        raise UnsupportedError("GatherND with batch_dims > 0 is not supported")
+    return data[tuple(np.moveaxis(indices, -1, 0))]
+
+
+def _layer_normalization(x, scale, bias=None, axis=-1, epsilon=1e-5, **_):
+    if axis != -1 and axis != x.ndim - 1:
+        raise UnsupportedError("LayerNormalization over more than the last axis is not supported")
+    z = x.astype(np.float64)
+    mu = z.mean(axis=-1, keepdims=True)
+    y = (z - mu) / np.sqrt(((z - mu) ** 2).mean(axis=-1, keepdims=True) + epsilon) * scale
+    return (y + bias if bias is not None else y).astype(x.dtype)
+
+
+def _gemm(a, b, c=None, alpha=1.0, beta=1.0, transA=0, transB=0, **_):
+    y = alpha * ((a.T if transA else a) @ (b.T if transB else b))
+    return (y + beta * c if c is not None else y).astype(a.dtype)
+
+
+def _trilu(x, k=None, upper=1, **_):
+    k = 0 if k is None else int(np.asarray(k).reshape(()))
+    return np.triu(x, k) if upper else np.tril(x, k)
+
+
+def _where(cond, a, b, **_):
+    return np.where(cond, a, b).astype(np.result_type(a.dtype, b.dtype))
+
+
+for _onnx, _name, _inputs, _fn in [
+    ("MatMul", "matmul", ("a", "b"), lambda a, b, **_: np.matmul(a, b)),
+    ("Gemm", "gemm", ("a", "b", "c?"), _gemm),
+    ("Add", "add_nd", ("a", "b"), _binary(np.add)),
+    ("Sub", "sub", ("a", "b"), _binary(np.subtract)),
+    ("Mul", "mul", ("a", "b"), _binary(np.multiply)),
+    ("Div", "div", ("a", "b"), _div),
+    ("Pow", "pow", ("x", "y"), lambda x, y, **_: np.power(x, y).astype(x.dtype)),
+    ("Max", "max", ("x*",), lambda *xs, **_: np.maximum.reduce(np.broadcast_arrays(*xs))),
+    ("Min", "min", ("x*",), lambda *xs, **_: np.minimum.reduce(np.broadcast_arrays(*xs))),
+    ("Sqrt", "sqrt", ("x",), _same_dtype(np.sqrt)),
+    ("Reciprocal", "reciprocal", ("x",), _same_dtype(np.reciprocal)),
+    ("Neg", "neg", ("x",), _same_dtype(np.negative)),
+    ("Abs", "abs", ("x",), _same_dtype(np.abs)),
+    ("Exp", "exp", ("x",), _same_dtype(np.exp)),
+    ("Log", "log", ("x",), _same_dtype(np.log)),
+    ("Sigmoid", "sigmoid", ("x",), _same_dtype(lambda x: 1.0 / (1.0 + np.exp(-x.astype(np.float64))))),
+    ("Tanh", "tanh", ("x",), _same_dtype(np.tanh)),
+    ("Erf", "erf", ("x",), _same_dtype(lambda x: _erf(x.astype(np.float64)))),
+    ("Cos", "cos", ("x",), _same_dtype(np.cos)),
+    ("Sin", "sin", ("x",), _same_dtype(np.sin)),
+    ("Relu", "relu", ("x",), _same_dtype(lambda x: np.maximum(x, 0))),
+    ("IsNaN", "is_nan", ("x",), lambda x, **_: np.isnan(x)),
+    ("IsInf", "is_inf", ("x",), lambda x, **_: np.isinf(x)),
+    ("Not", "not", ("x",), lambda x, **_: np.logical_not(x)),
+    ("And", "and", ("a", "b"), lambda a, b, **_: np.logical_and(a, b)),
+    ("Or", "or", ("a", "b"), lambda a, b, **_: np.logical_or(a, b)),
+    ("Equal", "equal", ("a", "b"), lambda a, b, **_: np.equal(a, b)),
+    ("Less", "less", ("a", "b"), lambda a, b, **_: np.less(a, b)),
+    ("LessOrEqual", "less_or_equal", ("a", "b"), lambda a, b, **_: np.less_equal(a, b)),
+    ("Greater", "greater", ("a", "b"), lambda a, b, **_: np.greater(a, b)),
+    ("GreaterOrEqual", "greater_or_equal", ("a", "b"), lambda a, b, **_: np.greater_equal(a, b)),
+    ("Where", "where", ("cond", "a", "b"), _where),
+    ("ReduceMean", "reduce_mean", ("x", "axes?"), _reduce(np.mean)),
+    ("ReduceSum", "reduce_sum", ("x", "axes?"), _reduce(np.sum)),
+    ("ReduceMax", "reduce_max", ("x", "axes?"), _reduce(np.max)),
+    ("Softmax", "softmax", ("x",), _softmax),
+    ("Gather", "gather", ("data", "indices"), _gather),
+    ("GatherND", "gather_nd", ("data", "indices"), _gather_nd),
+    ("Reshape", "reshape", ("x", "shape"), _reshape),
+    ("Transpose", "transpose", ("x",), lambda x, perm=None, **_: np.transpose(x, perm)),
+    ("Unsqueeze", "unsqueeze", ("x", "axes?"), _unsqueeze),
+    ("Squeeze", "squeeze", ("x", "axes?"), _squeeze),
+    ("Concat", "concat", ("x*",), lambda *xs, axis=0, **_: np.concatenate(xs, axis=axis)),
+    ("Slice", "slice", ("x", "starts", "ends", "axes?", "steps?"), _slice),
+    ("Split", "split_nd", ("x", "split?"), _split),
+    ("Expand", "expand", ("x", "shape"), _expand),
+    ("Tile", "tile", ("x", "repeats"), lambda x, r, **_: np.tile(x, [int(n) for n in r])),
+    ("Cast", "cast", ("x",), lambda x, to, **_: x.astype(DTYPE_NUMPY[to])),
+    ("Identity", "identity", ("x",), lambda x, **_: x),
+    ("Shape", "shape", ("x",), _shape),
+    ("Size", "size", ("x",), lambda x, **_: np.array(x.size, dtype=np.int64)),
+    ("Range", "range", ("start", "limit", "delta"),
+     lambda s, l, d, **_: np.arange(s.item(), l.item(), d.item()).astype(s.dtype)),
+    ("ConstantOfShape", "constant_of_shape", ("shape",),
+     lambda shape, value=0.0, dtype="f32", **_: np.full([int(d) for d in shape], value, DTYPE_NUMPY[dtype])),
+    ("CumSum", "cum_sum", ("x", "axis"), _cumsum),
+    ("Trilu", "trilu", ("x", "k?"), _trilu),
+    ("LayerNormalization", "layer_normalization", ("x", "scale", "bias?"), _layer_normalization),
+]:
+    _primitive(_onnx, _name, _inputs, _fn)
+
+#: Numpy dtypes of IR element types, for ``cast`` and constants (bf16 is not computed on).
+DTYPE_NUMPY = {"f32": np.float32, "f16": np.float16, "f64": np.float64, "i32": np.int32, "i64": np.int64,
+               "bool": np.bool_}
+
+
+def const_array(attrs: dict[str, Any], seq_len: int | None = None) -> np.ndarray:
+    """The value of a ``const`` node given inline: ``value`` (nested lists; "T" or "T+k" entries are
+    the sequence length) as ``dtype``."""
+    def subst(v):
+        if isinstance(v, list):
+            return [subst(x) for x in v]
+        if isinstance(v, str):
+            if seq_len is None:
+                raise IRError(f"const value {v!r} needs the sequence length")
+            return seq_len + (int(v[1:]) if len(v) > 1 else 0)
+        return v
+    return np.array(subst(attrs["value"]), dtype=DTYPE_NUMPY[attrs["dtype"]])
+
+
+@op("const", inputs=(), weights=("value?",))
+def _const_shape(ins, ws, attrs):
+    """A constant: a weight operand (ONNX initializer) or an inline ``value`` of ``dtype``; inline
+    entries "T" (or "T+k") stand for the sequence length (folded shape arithmetic)."""
+    _expect(bool(ws) != ("value" in attrs), "const takes either a weight operand or a value attribute")
+    return ws[:1] if ws else None
+
+
+@reference("const")
+def _const_ref(ins, ws, attrs, step):
+    if ws:
+        return [ws[0]]
+    return [const_array(attrs, len(step.seq_ids))]
+
+
+@op("add_batch", inputs=("x",))
+def _add_batch_shape(ins, ws, attrs):
+    """x[None]: the batch dimension (of size 1) that an ONNX graph carries."""
+    return [TensorType(ins[0].dtype, (1,) + ins[0].shape)]
+
+
+reference("add_batch")(lambda ins, ws, attrs, step: [ins[0][None]])
+
+
+@op("drop_batch", inputs=("x",))
+def _drop_batch_shape(ins, ws, attrs):
+    """x[0] of a batch of one."""
+    _expect(ins[0].rank >= 1 and ins[0].shape[0] == 1, f"drop_batch needs a leading dimension of 1, got {ins[0]}")
+    return [TensorType(ins[0].dtype, ins[0].shape[1:])]
+
+
+reference("drop_batch")(lambda ins, ws, attrs, step: [ins[0][0]])
+
+#: Every primitive op (codegen has no kernel for them; ``raise`` must leave none behind).
+PRIMITIVE_OPS = frozenset(ONNX_PRIMITIVES.values()) | {"const", "add_batch", "drop_batch"}

@@ -1,3 +1,4 @@
 """Imports every pass module so that each registers itself with the pass manager."""
 from . import cast_weights  # noqa: F401
 from . import merge_lora  # noqa: F401
+from . import lora_slots  # noqa: F401

@@ -273,6 +273,13 @@ OPS: dict[str, _OpKernel] = {
         "void {sym}(const float *x /* [T, H] */, const int32_t *rows /* [R] */, int R, float *out /* [R, H] */)",
         ("scalar",),
         lambda p: [f"h{p['H']}"], _positive("H")),
+    "lora_apply": _OpKernel(
+        ("K", "N", "R", "slots"),
+        "void {sym}(const float *x /* [T, K] */, int T, const int32_t *slots /* [T], -1 = none, or NULL */, "
+        "const int32_t *rank /* [slots] */, const float *scale /* [slots] */, "
+        "const float *a /* [slots, R, K] */, const float *bt /* [slots, R, N] */, float *y /* [T, N], += */)",
+        ("scalar", "avx512"),
+        lambda p: [f"k{p['K']}", f"n{p['N']}", f"r{p['R']}", f"s{p['slots']}"], _positive("K", "N", "R", "slots")),
 }
 
 

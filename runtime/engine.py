@@ -33,7 +33,7 @@ class Engine:
     """One loaded model: ``step`` runs a batch of tokens, ``free`` releases a sequence's KV blocks."""
 
     def __init__(self, path: str | Path, *, threads: int = 0, max_seqs: int = 16, max_context: int | None = None,
-                 kv_blocks: int | None = None):
+                 kv_blocks: int | None = None, kv_memory: int | None = None):
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         self.ffi = _ffi()
@@ -51,6 +51,11 @@ class Engine:
         self.block_size = int(self.lib.ife_block_size())
         self.max_context = int(max_context or meta.get("max_position_embeddings") or 2048)
         blocks_per_seq = -(-self.max_context // self.block_size)
+        if kv_blocks is None and kv_memory is not None:     # a byte budget for the pool
+            kv_blocks = int(kv_memory) // int(self.lib.ife_kv_block_bytes())
+            if kv_blocks < 1:
+                raise InfengError(f"KV memory {kv_memory} bytes holds no block (one block takes "
+                                  f"{int(self.lib.ife_kv_block_bytes())} bytes)")
         n_blocks = kv_blocks or max_seqs * blocks_per_seq
         self.kv = BlockAllocator(n_blocks, self.block_size, max_seqs, self.max_context)
         err = self.ffi.new("char[]", 512)
@@ -131,23 +136,36 @@ class Engine:
             if adapter_slots.max() >= max(self.lora.n_slots, 0) and adapter_slots.max() >= 0:
                 raise InfengError(f"adapter slot {adapter_slots.max()} out of range (the artifact has "
                                   f"{self.lora.n_slots} slots)")
+        return self.forward(tokens, positions, slots, rows, adapter_slots)
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, rows: np.ndarray,
+                adapter_slots: np.ndarray | None = None) -> np.ndarray:
+        """``step`` without checks or block allocation, for a caller that owns ``self.kv`` (the
+        scheduler): int32 arrays, ``slots`` the block-table row of each token, ``rows`` the
+        logits rows. Returns logits [len(rows), vocab]."""
+        n = len(tokens)
         logits = np.empty((len(rows), self.vocab_size), dtype=np.float32)
         ffi, table = self.ffi, self.kv.block_table
+        single = n <= self.max_tokens         # one call: logits written in place, no copies
         for start in range(0, n, self.max_tokens):
             end = min(n, start + self.max_tokens)
-            want = np.nonzero((rows >= start) & (rows < end))[0]
-            chunk_rows = np.ascontiguousarray(rows[want] - start, dtype=np.int32)
-            out = np.empty((len(want), self.vocab_size), dtype=np.float32)
+            if single:
+                want, chunk_rows, out = slice(None), np.ascontiguousarray(rows, dtype=np.int32), logits
+            else:
+                want = np.nonzero((rows >= start) & (rows < end))[0]
+                chunk_rows = np.ascontiguousarray(rows[want] - start, dtype=np.int32)
+                out = np.empty((len(want), self.vocab_size), dtype=np.float32)
             rc = self.lib.ife_forward(
                 self._handle, end - start,
                 ffi.from_buffer("int32_t[]", tokens[start:end]), ffi.from_buffer("int32_t[]", positions[start:end]),
                 ffi.from_buffer("int32_t[]", slots[start:end]), ffi.from_buffer("int32_t[]", table),
-                table.shape[1], len(want), ffi.from_buffer("int32_t[]", chunk_rows),
+                table.shape[1], len(chunk_rows), ffi.from_buffer("int32_t[]", chunk_rows),
                 ffi.from_buffer("float[]", out),
                 ffi.NULL if adapter_slots is None else ffi.from_buffer("int32_t[]", adapter_slots[start:end]))
             if rc != 0:
                 raise InfengError(f"ife_forward failed with code {rc}")
-            logits[want] = out
+            if not single:
+                logits[want] = out
         return logits
 
     # -- profile (artifacts compiled with --profile) ---------------------------------------

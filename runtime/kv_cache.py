@@ -1,9 +1,24 @@
-"""KV block allocator: the library owns the block pool, Python decides which block holds what.
+"""KV block manager: the library owns the block pool, Python decides which block holds what.
 
-Each live sequence gets a slot (a row of the block table) and the blocks its positions need,
-``block_size`` tokens per block.
+Each live sequence gets a slot (a row of ``block_table``) and the blocks its positions need,
+``block_size`` tokens per block. Blocks are reference counted so that sequences with the same
+prefix can point their block tables at the same *full* blocks (prefix caching):
+
+- a full block is named by a hash chain over token ids, ``h_i = H(h_{i-1}, tokens of block i)``,
+  rooted in a namespace (the adapter: the same tokens under another LoRA adapter give other K/V);
+- ``register`` publishes a sequence's computed full blocks under their hashes, ``lookup`` finds
+  the longest cached prefix of a hash chain, ``claim`` attaches those blocks to a new sequence;
+- a published block whose last reference goes away stays cached (its contents intact) on an LRU
+  list, and is evicted (its hash forgotten) only when a free block is needed and none is left.
+
+A sequence only ever writes positions past its cached prefix, and only full blocks are published,
+so a shared block is never written again.
 """
 from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Sequence
 
 import numpy as np
 
@@ -14,46 +29,173 @@ class KVCacheFull(InfengError):
     """No free KV block (or sequence slot) is left; retry when a sequence finishes."""
 
 
+def block_hashes(token_ids: Sequence[int], block_size: int, namespace: str = "",
+                 known: list[bytes] | None = None) -> list[bytes]:
+    """The hash chain of the full blocks of ``token_ids``; ``known`` (a prefix of the chain,
+    extended in place and returned) saves rehashing blocks already named."""
+    hashes = known if known is not None else []
+    parent = hashes[-1] if hashes else hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        chunk = np.asarray(token_ids[start:start + block_size], dtype=np.int32).tobytes()
+        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
+        hashes.append(parent)
+    return hashes
+
+
 class BlockAllocator:
-    def __init__(self, n_blocks: int, block_size: int, max_seqs: int, max_context: int):
+    """Slots, blocks and the prefix cache of one engine's KV pool.
+
+    The per-sequence API (``ensure``, ``free``) is what ``Engine.step`` uses; the scheduler also
+    uses ``blocks_needed``/``num_free`` to plan, and ``lookup``/``claim``/``register`` to share
+    prefixes.
+    """
+
+    def __init__(self, n_blocks: int, block_size: int, max_seqs: int, max_context: int,
+                 prefix_cache: bool = True):
+        if n_blocks < 1 or max_seqs < 1:
+            raise InfengError(f"the KV pool needs at least one block and one sequence slot "
+                              f"(got {n_blocks} blocks, {max_seqs} slots)")
         self.n_blocks, self.block_size = n_blocks, block_size
         self.max_blocks = -(-max_context // block_size)
         self.max_context = max_context
-        self.free_blocks = list(range(n_blocks - 1, -1, -1))
+        self.max_seqs = max_seqs
+        self.prefix_cache = prefix_cache
+        self.free_blocks = list(range(n_blocks - 1, -1, -1))          # never used or unpublished
+        self.evictable: OrderedDict[int, None] = OrderedDict()        # published, refcount 0, LRU first
+        self.refcount = [0] * n_blocks
+        self.cached: dict[bytes, int] = {}                            # hash -> block
+        self.hash_of: dict[int, bytes] = {}                           # block -> hash
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.block_table = np.zeros((max_seqs, self.max_blocks), dtype=np.int32)   # [slots, max_blocks]
         self.slot_of: dict[int, int] = {}
         self.blocks_of: dict[int, list[int]] = {}
+        self.published_of: dict[int, int] = {}                        # seq -> blocks registered so far
+        # prefix-cache counters, in blocks: looked up at admission, found, evicted
+        self.queries = 0
+        self.hits = 0
+        self.evictions = 0
 
+    # -- slots and blocks -------------------------------------------------------------------
     def slot(self, seq: int) -> int:
         """The block-table row of ``seq``, claiming one on first use."""
         if seq not in self.slot_of:
             if not self.free_slots:
-                raise KVCacheFull(f"all {self.block_table.shape[0]} sequence slots are in use")
+                raise KVCacheFull(f"all {self.max_seqs} sequence slots are in use")
             self.slot_of[seq] = self.free_slots.pop()
             self.blocks_of[seq] = []
+            self.published_of[seq] = 0
         return self.slot_of[seq]
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free, or cached and unreferenced)."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks referenced by live sequences."""
+        return self.n_blocks - self.num_free
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def blocks_needed(self, seq: int, length: int) -> int:
+        """New blocks ``seq`` needs for positions [0, length)."""
+        have = len(self.blocks_of.get(seq, ()))
+        return max(0, -(-length // self.block_size) - have)
+
+    def _take_block(self) -> int:
+        if self.free_blocks:
+            return self.free_blocks.pop()
+        block, _ = self.evictable.popitem(last=False)
+        del self.cached[self.hash_of.pop(block)]
+        self.evictions += 1
+        return block
 
     def ensure(self, seq: int, length: int) -> None:
         """Make positions [0, length) of ``seq`` backed by blocks."""
         if length > self.max_context:
             raise InfengError(f"sequence {seq} needs {length} positions; the engine was loaded with "
                               f"max context {self.max_context}")
-        slot, blocks = self.slot(seq), self.blocks_of[seq]
-        need = -(-length // self.block_size)
-        if need - len(blocks) > len(self.free_blocks):
-            raise KVCacheFull(f"KV cache full: sequence {seq} needs {need - len(blocks)} more blocks, "
-                              f"{len(self.free_blocks)} free of {self.n_blocks}")
-        while len(blocks) < need:
-            block = self.free_blocks.pop()
+        slot = self.slot(seq)
+        blocks = self.blocks_of[seq]
+        need = -(-length // self.block_size) - len(blocks)
+        if need > self.num_free:
+            raise KVCacheFull(f"KV cache full: sequence {seq} needs {need} more blocks, "
+                              f"{self.num_free} free of {self.n_blocks}")
+        for _ in range(need):
+            block = self._take_block()
+            self.refcount[block] = 1
             self.block_table[slot, len(blocks)] = block
             blocks.append(block)
 
     def free(self, seq: int) -> None:
-        if seq in self.slot_of:
-            self.free_blocks.extend(reversed(self.blocks_of.pop(seq)))
-            self.free_slots.append(self.slot_of.pop(seq))
+        """Release ``seq``'s slot and its references; published blocks stay cached (LRU)."""
+        if seq not in self.slot_of:
+            return
+        self.free_slots.append(self.slot_of.pop(seq))
+        self.published_of.pop(seq, None)
+        # last block first, so that the tail of a chain is evicted before its head
+        for block in reversed(self.blocks_of.pop(seq)):
+            self.refcount[block] -= 1
+            if self.refcount[block] == 0:
+                if block in self.hash_of:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)
 
-    @property
-    def used_blocks(self) -> int:
-        return self.n_blocks - len(self.free_blocks)
+    # -- prefix cache -----------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """Blocks of the longest cached prefix of the hash chain ``hashes`` (no references taken)."""
+        if not self.prefix_cache:
+            return []
+        found = []
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def claim(self, seq: int, blocks: list[int], queried: int) -> None:
+        """Start ``seq`` (which must hold no blocks) on the cached ``blocks`` found by ``lookup``
+        among ``queried`` looked-up blocks; counts hits and queries."""
+        slot = self.slot(seq)
+        own = self.blocks_of[seq]
+        if own:
+            raise InfengError(f"sequence {seq} already holds KV blocks")
+        for i, block in enumerate(blocks):
+            if self.refcount[block] == 0:
+                del self.evictable[block]
+            self.refcount[block] += 1
+            self.block_table[slot, i] = block
+            own.append(block)
+        self.published_of[seq] = len(blocks)
+        self.queries += queried
+        self.hits += len(blocks)
+
+    def register(self, seq: int, hashes: Sequence[bytes], n_full: int) -> None:
+        """Publish the first ``n_full`` blocks of ``seq`` (fully computed) under ``hashes``.
+
+        A block whose hash another block already holds stays private (both have the same
+        contents; the first one published is the one later sequences get)."""
+        if not self.prefix_cache:
+            return
+        done = self.published_of.get(seq, 0)
+        if n_full <= done:
+            return
+        blocks = self.blocks_of[seq]
+        for i in range(done, n_full):
+            h, block = hashes[i], blocks[i]
+            if h not in self.cached and block not in self.hash_of:
+                self.cached[h] = block
+                self.hash_of[block] = h
+        self.published_of[seq] = n_full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every unreferenced cached block (e.g. after an adapter is replaced)."""
+        while self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.hash_of.pop(block)]
+            self.free_blocks.append(block)

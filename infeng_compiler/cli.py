@@ -46,20 +46,51 @@ class IRFormat(str, Enum):
     text = "text"
     json = "json"
     dot = "dot"
+    onnx = "onnx"
 
 
 @app.command("ir")
 @fails_cleanly
-def ir_command(model: Path = typer.Argument(..., help="model directory or model.safetensors"),
-               format: IRFormat = typer.Option(IRFormat.text, "--format", help="text, json or dot"),
-               output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout")):
+def ir_command(model: Path = typer.Argument(..., help="model directory, model.safetensors or model.onnx"),
+               format: IRFormat = typer.Option(IRFormat.text, "--format", help="text, json, dot or onnx (needs -o)"),
+               output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
+               tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer/config dir (ONNX)"),
+               after: Optional[str] = typer.Option(None, "--after",
+                                                   help="print the graph after this import pass (import, "
+                                                        "fold-shapes, raise) or after each (all)")):
     """Import MODEL and print its IR graph."""
-    from .frontends.hf import import_hf
+    from .frontends import import_model
     from .ir import print_graph
     from .ir.serialize import to_dot, to_json
 
-    graph = import_hf(model)
-    text = {"text": print_graph, "json": to_json, "dot": to_dot}[format.value](graph)
+    if format == IRFormat.onnx:
+        if output is None or (after or "") == "all":
+            raise InfengError("--format onnx writes a file: give -o g.onnx (and at most one --after pass)")
+        from .ir.onnx_export import save_onnx
+    snapshots: list[tuple[str, str]] = []
+
+    def keep(name: str, g) -> None:
+        if after in ("all", name):
+            if format == IRFormat.onnx:
+                save_onnx(g, output)
+                snapshots.append((name, ""))
+            else:
+                snapshots.append((name, {"text": print_graph, "json": to_json, "dot": to_dot}[format.value](g)))
+
+    graph = import_model(model, tokenizer, after=keep if after else None)
+    if after and not snapshots:
+        raise InfengError(f"--after {after}: no such pass ran for {model} (import passes: import"
+                          + (", fold-shapes, raise" if model.suffix == ".onnx" else "") + "; or all)")
+    if format == IRFormat.onnx:
+        if not after:
+            save_onnx(graph, output)
+        err.print(f"wrote {output} (ONNX, {len(graph.nodes)} nodes, {len(graph.weights)} weights; "
+                  f"checked by onnx.checker)")
+        return
+    if after:
+        text = "".join(f"# after {name}\n{t}" if after == "all" else t for name, t in snapshots)
+    else:
+        text = {"text": print_graph, "json": to_json, "dot": to_dot}[format.value](graph)
     if output:
         output.write_text(text)
         err.print(f"wrote {output} ({len(graph.nodes)} nodes, {len(graph.weights)} weights)")
@@ -73,12 +104,12 @@ class Backend(str, Enum):
     compiled = "compiled"
 
 
-def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0):
+def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0, tokenizer_dir: Path | None = None):
     """(step backend, tokenizer): a compiled Engine for an artifact, else the interpreter."""
     from infeng_runtime.tokenizer import Tokenizer
 
     from .artifact import is_artifact
-    from .frontends.hf import import_hf, resolve_model_dir
+    from .frontends import import_model, model_source
     from .interp import Interpreter
 
     if is_artifact(model):
@@ -92,8 +123,11 @@ def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0)
         return engine, engine.tokenizer
     if backend == Backend.compiled:
         raise InfengError(f"{model}: --backend compiled needs an artifact; run infeng compile first")
-    graph = import_hf(model)
-    tokenizer = Tokenizer(resolve_model_dir(model), graph.meta.get("bos_token_id"), graph.meta.get("eos_token_ids"))
+    graph = import_model(model, tokenizer_dir, strict=True)
+    source = model_source(model, tokenizer_dir)
+    if source.tokenizer_dir is None:
+        raise InfengError(f"{model}: an ONNX model carries no tokenizer; give --tokenizer DIR")
+    tokenizer = Tokenizer(source.tokenizer_dir, graph.meta.get("bos_token_id"), graph.meta.get("eos_token_ids"))
     return Interpreter(graph), tokenizer
 
 
@@ -107,11 +141,12 @@ def eval_command(model: Path = typer.Argument(..., help="model directory"),
                                                  help="auto: compiled for an artifact, interp for a model dir"),
                  threads: int = typer.Option(0, "--threads", help="compiled backend threads (0 = physical cores)"),
                  batch: int = typer.Option(8, "--batch", help="chunks per forward step"),
-                 as_json: bool = typer.Option(False, "--json", help="print one JSON object")):
+                 as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+                 tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer dir (ONNX)")):
     """Perplexity by the llama.cpp protocol (BOS per chunk, second half of each chunk scored)."""
     from .evaluate import perplexity, read_text
 
-    runner, tokenizer = _load_runner(model, backend, threads)
+    runner, tokenizer = _load_runner(model, backend, threads, tokenizer_dir)
     ids = tokenizer.encode(read_text(ppl, max_bytes), add_bos=True)
     with progress_bar() as bar:
         task = bar.add_task("perplexity", total=None)
@@ -135,12 +170,13 @@ def generate_command(model: Path = typer.Argument(..., help="model directory"),
                      top_p: float = typer.Option(1.0, "--top-p"),
                      top_k: int = typer.Option(0, "--top-k"),
                      seed: Optional[int] = typer.Option(None, "--seed"),
-                     as_json: bool = typer.Option(False, "--json")):
+                     as_json: bool = typer.Option(False, "--json"),
+                     tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer dir (ONNX)")):
     """Continue PROMPT with the reference interpreter (slow, exact)."""
     from infeng_runtime.generation import Generation, stream
     from infeng_runtime.sampling import SamplingParams
 
-    runner, tokenizer = _load_runner(model, Backend.interp)
+    runner, tokenizer = _load_runner(model, Backend.interp, tokenizer_dir=tokenizer_dir)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
     _print_generation(runner, tokenizer, prompt, params, as_json, "interpreter")
@@ -189,7 +225,7 @@ class DType(str, Enum):
 
 @app.command("compile")
 @fails_cleanly
-def compile_command(model: Path = typer.Argument(..., help="model directory or model.safetensors"),
+def compile_command(model: Path = typer.Argument(..., help="model directory, model.safetensors or model.onnx"),
                     output: Path = typer.Option(..., "-o", "--output", help="artifact directory to write"),
                     target: str = typer.Option("native", "--target",
                                                help="scalar, avx2, avx512, avx512-vnni, avx512-bf16, amx, native"),
@@ -205,7 +241,9 @@ def compile_command(model: Path = typer.Argument(..., help="model directory or m
                                                      help="LoRA slots for adapters loaded at run time"),
                     max_rank: int = typer.Option(0, "--max-rank", help="max LoRA rank per slot (default 16)"),
                     lora_targets: str = typer.Option("", "--lora-targets",
-                                                     help="modules with slots, e.g. q_proj+v_proj (default all)")):
+                                                     help="modules with slots, e.g. q_proj+v_proj (default all)"),
+                    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer",
+                                                             help="tokenizer/config dir (an ONNX model has none)")):
     """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
     from rich.table import Table
 
@@ -217,7 +255,8 @@ def compile_command(model: Path = typer.Argument(..., help="model directory or m
         raise InfengError(f"--merge {unknown[0]}: no adapter of that name; give it with --lora {unknown[0]}=DIR")
     options = CompileOptions(target=target, dtype=dtype.value, passes=passes, dump_ir=dump_ir,
                              max_tokens=max_tokens, profile=profile, lora=adapters, merge=list(merge),
-                             max_adapters=max_adapters, max_rank=max_rank, lora_targets=lora_targets)
+                             max_adapters=max_adapters, max_rank=max_rank, lora_targets=lora_targets,
+                             tokenizer=tokenizer)
     with progress_bar() as bar:
         task = bar.add_task("compile", total=None)
         summary = compile_model(model, output, options,

@@ -15,7 +15,7 @@ from .codegen.build import build_library
 from .codegen.lower import lower
 from .codegen.render import render_sources
 from .codegen.target import get_target
-from .frontends.hf import import_hf, load_config, resolve_model_dir
+from .frontends import ONNX_PIPELINE, import_model, model_source
 from .frontends.peft import load_adapter
 from .ir import print_graph
 from .passes.manager import PassManager, PassRecord, format_pipeline, parse_pipeline
@@ -33,6 +33,7 @@ class CompileOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     passes: str | None = None           # explicit pipeline; default from dtype
     dump_ir: Path | None = None
+    tokenizer: Path | None = None       # tokenizer/config dir (an ONNX model carries none)
     profile: bool = False               # time every IR node in the generated code
     lora: dict[str, Path] = field(default_factory=dict)   # adapter name -> PEFT adapter dir
     merge: list[str] = field(default_factory=list)         # adapters folded into the weights
@@ -83,8 +84,9 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
         stages[name] = time.perf_counter() - t0
         return result
 
-    model_dir = resolve_model_dir(model)
-    graph = timed("import", lambda: import_hf(model))
+    source = model_source(model, options.tokenizer)
+    model_dir = source.tokenizer_dir
+    graph = timed("import", lambda: import_model(model, options.tokenizer, strict=True))
     adapters = timed("adapters", lambda: {name: load_adapter(path, graph, name) for name, path in options.lora.items()})
     pipeline = options.pipeline(adapters)
     manager = PassManager(pipeline, dump_dir=options.dump_ir)
@@ -111,16 +113,16 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
             for f in ("adapter_config.json", "adapter_model.safetensors"):
                 shutil.copy2(adapters[name].path / f, dest / f)
         for name in TOKENIZER_FILES:
-            if (model_dir / name).is_file():
+            if model_dir is not None and (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, staging / name)
-        source_files = sorted(p for p in model_dir.iterdir()
-                              if p.suffix in (".json", ".safetensors") and p.is_file())
+        source_files = source.files
         manifest = {
             "infeng_version": __version__,
             "name": graph.name,
-            "source": {"model_dir": str(model_dir.resolve()),
-                       "sha256": {p.name: file_sha256(p) for p in source_files}},
-            "config": load_config(model_dir),
+            "source": {"model_dir": str(source.path.resolve()),
+                       "sha256": {p.name: file_sha256(p) for p in source_files},
+                       **({"import_pipeline": ONNX_PIPELINE} if source.kind == "onnx" else {})},
+            "config": source.config,
             "meta": graph.meta,
             "target": target.name,
             "pipeline": format_pipeline(pipeline),

@@ -157,6 +157,8 @@ class Graph:
         attrs = dict(attrs or {})
         if out_types is None:
             out_types = infer_types(op, [v.type for v in inputs], [w.type for w in weights], attrs)
+            if out_types is None:
+                raise IRError(f"{op}: the result type depends on operand values; pass out_types")
         if out_names is None:
             base = name or op
             out_names = [base] if len(out_types) == 1 else [f"{base}.{i}" for i in range(len(out_types))]

@@ -22,7 +22,14 @@ DTYPES: dict[str, tuple[np.dtype, int]] = {
     "bf16": (np.dtype(np.uint16), 2),  # stored as raw uint16, widened on load
     "i32": (np.dtype(np.int32), 4),
     "i64": (np.dtype(np.int64), 8),
+    # ONNX import only (primitive ops before raising): masks, double-precision constants
+    "bool": (np.dtype(np.bool_), 1),
+    "f64": (np.dtype(np.float64), 8),
 }
+
+#: A symbolic dimension: a symbol, optionally offset by a constant (``T+1`` appears in ONNX shape
+#: arithmetic before it is folded).
+_SYM_DIM = re.compile(r"^([TSR])([+-][0-9]+)?$")
 
 Dim = int | str
 
@@ -36,8 +43,9 @@ class TensorType:
         if self.dtype not in DTYPES:
             raise IRError(f"unknown element type {self.dtype!r} (known: {', '.join(DTYPES)})")
         for d in self.shape:
-            if isinstance(d, str) and d not in SYMBOLS:
-                raise IRError(f"unknown symbolic dimension {d!r} (known: {', '.join(SYMBOLS)})")
+            if isinstance(d, str) and not _SYM_DIM.match(d):
+                raise IRError(f"unknown symbolic dimension {d!r} (known: {', '.join(SYMBOLS)}, "
+                              "optionally offset, e.g. T+1)")
 
     def __str__(self) -> str:
         return f"{self.dtype}[{','.join(str(d) for d in self.shape)}]"

@@ -1,0 +1,17 @@
+"""Pass ``dce``: remove nodes whose results nobody reads, and weights no node uses."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..ir import Graph
+from .manager import register
+from .rewrite import dead_code_elimination
+
+
+@register("dce")
+class DeadCodeElimination:
+    name = "dce"
+    tolerance = 0.0
+
+    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
+        return dead_code_elimination(graph)

@@ -1,0 +1,109 @@
+"""Graph-rewriting helpers shared by the ONNX passes (``fold-shapes``, ``raise``, ``dce``): probe
+evaluation of a single sequence, the set of values that depend only on the sequence length,
+dead-code elimination, node construction at a position.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..ir import Graph, Node, TensorType, Value
+from ..ir.ops import get as get_op
+
+
+class ProbeStep:
+    """The step a probe evaluation runs: one sequence of ``length`` tokens from position 0."""
+
+    def __init__(self, length: int):
+        from ..interp import KVStore
+
+        self.seq_ids = np.zeros(length, dtype=np.int32)
+        self.logits_rows = np.arange(length)
+        self.kv = KVStore()
+        self.lora: dict = {}
+
+
+def probe_inputs(graph: Graph, length: int, seed: int = 0) -> dict[str, np.ndarray]:
+    vocab = int(graph.meta.get("vocab_size") or 2)
+    return {"tokens": np.random.default_rng(seed).integers(0, vocab, size=length).astype(np.int32),
+            "positions": np.arange(length, dtype=np.int32)}
+
+
+def evaluate(graph: Graph, length: int, only: set[str] | None = None,
+             env: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Every value of ``graph`` (or of the nodes producing ``only``) for one probe sequence."""
+    env = dict(env or probe_inputs(graph, length))
+    step = ProbeStep(length)
+    for node in graph.nodes:
+        if only is not None and not any(v.name in only for v in node.outputs):
+            continue
+        if node.op == "shape" and node.inputs[0].name not in env:   # only its shape is read
+            env[node.inputs[0].name] = placeholder(node.inputs[0].type, length)
+        run_node(node, env, step)
+    return env
+
+
+def placeholder(vtype: TensorType, length: int) -> np.ndarray:
+    """An array of type ``vtype`` at sequence length ``length`` (contents undefined)."""
+    dims = [length + (int(d[1:]) if len(d) > 1 else 0) if isinstance(d, str) else d for d in vtype.shape]
+    return np.zeros(dims, dtype=np.bool_ if vtype.dtype == "bool" else np.float32)
+
+
+def run_node(node: Node, env: dict[str, np.ndarray], step: Any) -> None:
+    ws = [w.numpy_f32() if w.type.dtype in ("f16", "bf16") else np.asarray(w.raw()) for w in node.weights]
+    outs = get_op(node.op).reference([env[v.name] for v in node.inputs], ws, node.attrs, step)
+    for value, array in zip(node.outputs, outs):
+        env[value.name] = array
+
+
+def length_only_values(graph: Graph) -> set[str]:
+    """Values that depend only on the sequence length: shapes, constants, positions (a probe's
+    positions are 0..T-1) and whatever is computed from them alone."""
+    static = {"positions"}
+    for n in graph.nodes:
+        if n.op == "shape" or all(v.name in static for v in n.inputs):
+            static.update(v.name for v in n.outputs)
+    return static
+
+
+def weight_derived_values(graph: Graph) -> set[str]:
+    """Values computed from a weight (folding them would copy the weight into the graph)."""
+    heavy: set[str] = set()
+    for n in graph.nodes:
+        if n.weights or any(v.name in heavy for v in n.inputs):
+            heavy.update(v.name for v in n.outputs)
+    return heavy
+
+
+def dead_code_elimination(graph: Graph) -> bool:
+    """Drop nodes whose results nobody reads and weights no node uses."""
+    live = {v.name for v in graph.outputs}
+    kept = []
+    for n in reversed(graph.nodes):
+        if any(v.name in live for v in n.outputs):
+            kept.append(n)
+            live.update(v.name for v in n.inputs)
+    changed = len(kept) != len(graph.nodes)
+    graph.nodes = kept[::-1]
+    used = {w.name for n in graph.nodes for w in n.weights}
+    dead_weights = [name for name in graph.weights if name not in used]
+    for name in dead_weights:
+        del graph.weights[name]
+    graph.rebuild_names()
+    return changed or bool(dead_weights)
+
+
+def make_node(graph: Graph, op: str, inputs: list[Value], weights=None, attrs: dict[str, Any] | None = None,
+              name: str | None = None, out_types: list[TensorType] | None = None,
+              out_names: list[str] | None = None) -> Node:
+    """A node built like ``Graph.add_node`` but not placed; ``place`` puts it in."""
+    node = graph.add_node(op, inputs, weights, attrs, name=None if out_names else graph.fresh(name or op),
+                          out_types=out_types, out_names=out_names)
+    graph.nodes.pop()
+    return node
+
+
+def place(graph: Graph, nodes: list[Node], before: Node) -> None:
+    at = graph.nodes.index(before)
+    graph.nodes[at:at] = nodes

@@ -304,6 +304,55 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
     _print_generation(runner, tokenizer, prompt, params, as_json, label, slot)
 
 
+def parse_size(text: str, option: str) -> int:
+    """``"512MiB"``, ``"2G"``, ``"1000000"`` -> bytes (k/M/G are powers of 1000, Ki/Mi/Gi of 1024)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmg])(i?))?b?\s*", text.lower())
+    if not m:
+        raise InfengError(f"{option} {text!r}: expected a size such as 512MiB, 2GiB or a number of bytes")
+    power = "kmg".index(m.group(2)) + 1 if m.group(2) else 0
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+@app.command("serve")
+@fails_cleanly
+def serve_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
+                  adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: serve a LoRA adapter as model "
+                                                                       "NAME (repeatable)"),
+                  host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
+                  port: int = typer.Option(8000, "--port"),
+                  threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
+                  max_seqs: int = typer.Option(16, "--max-seqs", help="sequences batched together (KV slots)"),
+                  max_context: Optional[int] = typer.Option(None, "--max-context",
+                                                            help="tokens per sequence (default: the model's)"),
+                  kv_memory: Optional[str] = typer.Option(None, "--kv-memory",
+                                                          help="KV pool size, e.g. 512MiB (default: max-seqs x "
+                                                               "max-context)"),
+                  max_queue: int = typer.Option(256, "--max-queue",
+                                                help="waiting sequences before requests get 429"),
+                  max_batched_tokens: Optional[int] = typer.Option(None, "--max-batched-tokens",
+                                                                   help="token budget per step (default: the "
+                                                                        "library's max tokens per call)"),
+                  no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="never share KV blocks"),
+                  served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                                  help="the base model's id in the API"),
+                  log_level: str = typer.Option("info", "--log-level")):
+    """Serve ARTIFACT over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics)."""
+    from infeng_runtime.server import ServeOptions, serve
+
+    from .artifact import is_artifact
+
+    if not is_artifact(artifact):
+        raise InfengError(f"{artifact}: not a compiled artifact; run infeng compile first")
+    options = ServeOptions(host=host, port=port, threads=threads, max_seqs=max_seqs, max_context=max_context,
+                           kv_memory=parse_size(kv_memory, "--kv-memory") if kv_memory else None,
+                           max_waiting=max_queue, max_batched_tokens=max_batched_tokens,
+                           prefix_cache=not no_prefix_cache, served_model_name=served_model_name,
+                           adapters=parse_named_paths(adapter, "--adapter"), log_level=log_level)
+    serve(artifact, options)
+
+
 @app.command("bench")
 @fails_cleanly
 def bench_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),

@@ -1,0 +1,290 @@
+"""The engine loop: one thread owns the Engine and runs schedule -> forward -> sample, forever.
+
+Other threads talk to it through ``submit``/``abort`` (under one lock, never held during the
+forward call, which releases the GIL) and through commands that must run between steps (adapter
+load/unload). Outputs leave the loop as token ids: each request's ``sink`` is called once per
+step with that step's outputs for every request sharing the sink, on the loop thread, so a sink
+must only hand them over (``call_soon_threadsafe``, a queue). Detokenizing and stop strings are
+the consumer's job (``detokenize.py``); a consumer that sees a stop string calls ``abort``.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from infeng_compiler.errors import InfengError
+
+from .adapters import AdapterError
+from .scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput, StepPlan
+
+__all__ = ["EngineLoop", "LoopStats", "QueueFull", "RequestError"]
+
+
+@dataclass
+class AdapterEntry:
+    path: Path
+    scale: float
+    key: str                              # prefix-cache namespace; new on every (re)load from a path
+
+
+@dataclass
+class LoopStats:
+    """Counters of the loop thread; seconds are summed over steps."""
+
+    steps: int = 0
+    step_seconds: float = 0.0             # whole iterations that ran a step
+    forward_seconds: float = 0.0          # inside Engine.forward (the C call)
+    tokens: int = 0                       # token rows run
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))  # (t, generated)
+
+    @property
+    def overhead_seconds(self) -> float:
+        """Python time per step outside the forward call (schedule, arrays, sampling, dispatch)."""
+        return (self.step_seconds - self.forward_seconds) / self.steps if self.steps else 0.0
+
+
+class EngineLoop:
+    """Continuous batching over one Engine. ``start()`` runs it on a thread; ``run_once()`` runs
+    one iteration on the caller's thread (the offline API does that)."""
+
+    def __init__(self, engine, *, max_batched_tokens: int | None = None, max_waiting: int = 256,
+                 prefix_cache: bool = True):
+        self.engine = engine
+        engine.kv.prefix_cache = prefix_cache
+        tokenizer = engine.tokenizer
+        eos = tokenizer.eos_token_ids if tokenizer is not None else engine.manifest["meta"].get("eos_token_ids") or []
+        self.adapters: dict[str, AdapterEntry] = {}       # served adapters
+        self._draining: dict[str, AdapterEntry] = {}      # unloaded, still used by requests in flight
+        self._generation = 0
+        for name in getattr(engine, "adapters", {}):      # adapters bundled in the artifact
+            self.adapters[name] = AdapterEntry(engine.path / "adapters" / name, 1.0, self._new_key(name))
+        self.scheduler = Scheduler(engine.kv, list(eos), max_batched_tokens=max_batched_tokens or engine.max_tokens,
+                                   max_waiting=max_waiting, max_context=engine.max_context,
+                                   adapter_key=self._adapter_key, acquire_adapter=self._acquire_adapter,
+                                   release=engine.free if hasattr(engine, "seq_adapter") else None)
+        self.stats = LoopStats()
+        self.lock = threading.Lock()
+        self._wake = threading.Condition(self.lock)
+        self._commands: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.error: BaseException | None = None
+
+    # -- life cycle -------------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="infeng-engine-loop", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still in flight are finished with reason "abort"."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        with self.lock:
+            outs = [o for rid in list(self.scheduler.requests) for o in self.scheduler.abort(rid)]
+        self._deliver(outs)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- requests ---------------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Queue a request; raises RequestError (bad request, unknown adapter) or QueueFull."""
+        if request.adapter is not None and request.adapter not in self.adapters:
+            raise RequestError(f"the model {request.adapter!r} does not exist", "model", "model_not_found", 404)
+        with self._wake:
+            self.scheduler.add(request)
+            self._wake.notify()
+
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
+        """End a request (or one of its choices); its sink gets the final outputs."""
+        with self.lock:
+            outs = self.scheduler.abort(request_id, index, reason)
+        self._deliver(outs)
+
+    def has_work(self) -> bool:
+        with self.lock:
+            return self.scheduler.has_work or bool(self._commands)
+
+    # -- adapters (run between steps, on the loop thread) -------------------------------------
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the loop thread between two steps; the future has its result."""
+        fut: Future = Future()
+        with self._wake:
+            self._commands.append((fn, fut))
+            self._wake.notify()
+        if self._thread is None:                 # not threaded: run it now
+            self._run_commands()
+        return fut
+
+    def load_adapter(self, name: str, path: str | Path, scale: float = 1.0) -> Future:
+        """Serve the PEFT adapter at ``path`` as model ``name`` (loaded into a slot now)."""
+        def load() -> int:
+            if name in self.adapters:
+                raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first")
+            if name in self._draining:
+                raise AdapterError(f"adapter {name!r} is still finishing requests; retry shortly")
+            slot = self.engine.load_adapter(name, path, scale)
+            self.adapters[name] = AdapterEntry(Path(path), scale, self._new_key(name))
+            return slot
+        return self.call(load)
+
+    def unload_adapter(self, name: str) -> Future:
+        """Stop serving ``name``; requests already accepted for it still finish with it."""
+        def unload() -> None:
+            entry = self.adapters.pop(name, None)
+            if entry is None:
+                raise AdapterError(f"no adapter named {name!r} is loaded "
+                                   f"(loaded: {', '.join(self.adapters) or 'none'})")
+            self._draining[name] = entry
+            self._retire_adapters()
+        return self.call(unload)
+
+    def _new_key(self, name: str) -> str:
+        self._generation += 1
+        return f"{name}#{self._generation}"
+
+    def _adapter_key(self, name: str) -> str:
+        entry = self.adapters.get(name) or self._draining.get(name)
+        return entry.key if entry else name
+
+    def _acquire_adapter(self, name: str, seq_id: int) -> int | None:
+        """The engine slot of adapter ``name`` for sequence ``seq_id``, loading it if it was evicted;
+        None while every slot is held by running sequences."""
+        engine = self.engine
+        if name not in engine.adapters:
+            entry = self.adapters.get(name) or self._draining.get(name)
+            if entry is None:
+                raise AdapterError(f"adapter {name!r} was unloaded")
+            busy = set(engine.seq_adapter.values())
+            if len(engine.adapters) >= engine.lora.n_slots and busy >= set(engine.adapters):
+                return None
+            engine.load_adapter(name, entry.path, entry.scale)
+        return engine.adapter_slot(name, seq_id)
+
+    def _retire_adapters(self) -> None:
+        for name in [n for n in self._draining if n not in self.scheduler.adapter_users]:
+            del self._draining[name]
+            if name in self.engine.adapters:
+                self.engine.unload_adapter(name)
+
+    def _run_commands(self) -> None:
+        while True:
+            with self.lock:
+                if not self._commands:
+                    return
+                fn, fut = self._commands.popleft()
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:   # handed to the caller
+                    fut.set_exception(e)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run_once(self) -> bool:
+        """One iteration: commands, then one step if there is work. False when idle."""
+        if self._commands:
+            self._run_commands()
+        t0 = time.perf_counter()
+        with self.lock:
+            plan = self.scheduler.schedule()
+            failed, self.scheduler.failed = self.scheduler.failed, []
+            if self._draining:
+                self._retire_adapters()
+        self._deliver(failed)
+        if plan is None:
+            return bool(failed)
+        t1 = time.perf_counter()
+        try:
+            logits = self.engine.forward(plan.tokens, plan.positions, plan.slots, plan.logits_rows,
+                                         plan.adapter_slots)
+        except InfengError as e:
+            t2 = time.perf_counter()
+            with self.lock:
+                outs = self.scheduler.fail(plan, str(e))
+        else:
+            t2 = time.perf_counter()
+            with self.lock:
+                outs = self.scheduler.update(plan, logits)
+        generated = self.scheduler.stats.generated_tokens
+        self._deliver(outs)
+        t3 = time.perf_counter()
+        s = self.stats
+        s.steps += 1
+        s.step_seconds += t3 - t0
+        s.forward_seconds += t2 - t1
+        s.tokens += len(plan.tokens)
+        s.recent.append((t3, generated))
+        return True
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._stop and not self.scheduler.has_work and not self._commands:
+                        self._wake.wait(0.5)
+                    if self._stop:
+                        return
+                self.run_once()
+        except BaseException as e:          # keep the reason for /health; fail what is in flight
+            self.error = e
+            with self.lock:
+                outs = [o for rid in list(self.scheduler.requests)
+                        for o in self.scheduler.abort(rid, reason="error")]
+            for o in outs:
+                o.error = f"engine loop failed: {e}"
+            self._deliver(outs)
+            raise
+
+    @staticmethod
+    def _deliver(outs: list[SeqOutput]) -> None:
+        """Hand each sink its outputs, one call per sink."""
+        if not outs:
+            return
+        by_sink: dict[int, tuple[Callable, list[SeqOutput]]] = {}
+        for o in outs:
+            sink = o.request.sink
+            if sink is not None:
+                entry = by_sink.get(id(sink))
+                if entry is None:
+                    by_sink[id(sink)] = (sink, [o])
+                else:
+                    entry[1].append(o)
+        for sink, batch in by_sink.values():
+            sink(batch)
+
+    # -- numbers ----------------------------------------------------------------------------
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Generated tokens per second over the last ``window`` seconds of steps."""
+        recent = list(self.stats.recent)
+        if len(recent) < 2:
+            return 0.0
+        now = time.perf_counter()
+        inside = [r for r in recent if now - r[0] <= window]
+        if len(inside) < 2:
+            return 0.0
+        (t_a, n_a), (t_b, n_b) = inside[0], inside[-1]
+        return (n_b - n_a) / (t_b - t_a) if t_b > t_a else 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        """Gauges for /metrics and tests: queue, running, KV and prefix-cache counters."""
+        with self.lock:
+            sched, kv = self.scheduler, self.scheduler.kv
+            return {"waiting": sched.num_waiting, "running": len(sched.running), "kv_blocks_used": kv.used_blocks,
+                    "kv_blocks_total": kv.n_blocks, "kv_blocks_cached": kv.cached_blocks,
+                    "prefix_queries": kv.queries, "prefix_hits": kv.hits, "preemptions": sched.stats.preemptions,
+                    "prompt_tokens": sched.stats.prompt_tokens,
+                    "computed_prompt_tokens": sched.stats.computed_prompt_tokens,
+                    "generated_tokens": sched.stats.generated_tokens, "steps": self.stats.steps,
+                    "overhead_seconds_per_step": self.stats.overhead_seconds}

@@ -1,0 +1,441 @@
+"""Iteration-level (continuous) batching over a paged KV cache.
+
+Every call of ``Scheduler.schedule`` plans one forward step under a token budget:
+
+1. running sequences, in priority order (lower ``priority`` first, FIFO within one): one token each
+   for those decoding, a prefill chunk for those still prefilling (a chunk never takes the room
+   that decodes later in the order need, so decodes are never starved by a long prompt);
+2. then waiting sequences, in the same order, while the budget, a sequence slot and KV blocks
+   last. A new sequence first looks up its prompt's full blocks in the prefix cache and starts
+   its prefill after the cached part.
+
+When a running sequence needs a KV block and none is free, the scheduler *preempts by
+recompute*: the running sequence last in priority order gives up its blocks and slot and goes
+back to the front of its priority's queue, keeping the tokens it has generated; when it is
+admitted again it recomputes their KV (most of it usually comes back from the prefix cache, as
+its full blocks were published). Swapping is not offered: the library owns the pool and has no
+ABI to copy blocks out, and at these model sizes recomputing is cheaper than a copy anyway.
+
+Sequences with different adapters share a step; each token carries its sequence's adapter slot.
+
+The scheduler is not thread safe: ``EngineLoop`` (loop.py) calls it under one lock. Detokenizing,
+stop strings and everything text-shaped happen outside, on the consumer side of the outputs.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from infeng_compiler.errors import InfengError
+
+from .kv_cache import BlockAllocator, block_hashes
+from .sampling import SamplingParams, sample
+
+
+class RequestError(InfengError):
+    """The request cannot be served as asked (bad parameter, too long, unknown adapter)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
+class QueueFull(InfengError):
+    """The admission queue is at its bound; retry later."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass
+class Request:
+    """What a client asked for: one prompt continued ``n`` times (one sequence per choice)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+    adapter: str | None = None
+    priority: int = 0                       # lower is served first; FIFO within one priority
+    logprobs: int | None = None             # None: none; k: the sampled token's and the top k
+    sink: Callable[[list["SeqOutput"]], None] | None = None   # called on the engine thread
+    context: object = None                  # whatever the consumer wants back with each output
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class SeqOutput:
+    """What one step produced for one sequence: a token (or none when it finished without one)."""
+
+    request: Request
+    index: int                              # the choice index within the request
+    token: int | None
+    finish_reason: str | None = None        # "stop" (EOS), "length", "abort", "error"
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None
+    cached_tokens: int = 0                  # prompt tokens served from the prefix cache (first output)
+
+
+WAITING, RUNNING, FINISHED = 0, 1, 2
+
+
+class Sequence:
+    __slots__ = ("seq_id", "request", "index", "tokens", "prompt_len", "num_computed", "rng", "status",
+                 "generated", "order", "hashes", "namespace", "reported_cached", "cached_tokens", "greedy",
+                 "adapter_slot")
+
+    def __init__(self, seq_id: int, request: Request, index: int, order: tuple[int, int], namespace: str):
+        self.seq_id, self.request, self.index, self.order = seq_id, request, index, order
+        self.tokens = list(request.prompt_ids)
+        self.prompt_len = len(self.tokens)
+        self.num_computed = 0                  # positions whose K/V are in the cache
+        seed = request.params.seed
+        self.rng = np.random.default_rng(seed if seed is None or index == 0 else [seed, index])
+        self.status = WAITING
+        self.generated = 0
+        self.hashes: list[bytes] = []          # hash chain of the full blocks of tokens (grows)
+        self.namespace = namespace
+        self.reported_cached = False
+        self.cached_tokens: int | None = None
+        self.greedy = request.params.temperature == 0.0
+        self.adapter_slot = -1
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+@dataclass
+class StepPlan:
+    """One forward step: flat token rows and, for the rows that end a sequence's input, logits."""
+
+    seqs: list[Sequence]
+    counts: list[int]
+    tokens: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    adapter_slots: np.ndarray | None
+    logits_rows: np.ndarray
+    sampled: list[Sequence]                 # one per logits row
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0                  # prompt tokens of admitted sequences
+    computed_prompt_tokens: int = 0         # prompt tokens actually run (not from the cache)
+    generated_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Waiting queue, running set and the KV allocator of one engine.
+
+    Adapters are the loop's business (it owns the engine): ``acquire_adapter(name, seq_id)`` gives
+    the engine slot of adapter ``name`` for a sequence being admitted (None: no slot free now,
+    try later), ``release(seq_id)`` says the sequence no longer runs, ``adapter_key(name)`` names
+    the namespace the adapter's prefix-cache hashes live in.
+    """
+
+    def __init__(self, kv: BlockAllocator, eos_token_ids: list[int], *, max_batched_tokens: int = 256,
+                 max_waiting: int = 256, max_context: int | None = None,
+                 adapter_key: Callable[[str], str] | None = None,
+                 acquire_adapter: Callable[[str, int], int | None] | None = None,
+                 release: Callable[[int], None] | None = None):
+        self.kv = kv
+        self.eos = frozenset(eos_token_ids)
+        self.max_seqs = kv.max_seqs
+        # every running sequence must be able to decode in one step
+        self.max_batched_tokens = max(max_batched_tokens, self.max_seqs)
+        self.max_waiting = max_waiting
+        self.max_context = min(max_context or kv.max_context, kv.max_context)
+        self.adapter_key = adapter_key or (lambda name: name)
+        self.acquire_adapter = acquire_adapter
+        self.release = release
+        self.waiting: list[tuple[tuple[int, int], int, Sequence]] = []   # heap of (order, seq_id, seq)
+        self.num_waiting = 0                  # live entries of the heap
+        self.running: list[Sequence] = []     # sorted by order
+        self.requests: dict[str, list[Sequence]] = {}
+        self.adapter_users: dict[str, int] = {}
+        self.stats = SchedulerStats()
+        self.failed: list[SeqOutput] = []     # finished while scheduling (adapter failed to load)
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    # -- admission --------------------------------------------------------------------------
+    def check(self, request: Request) -> None:
+        """Raise RequestError if ``request`` can never be served by this engine."""
+        p = request.params
+        if not request.prompt_ids:
+            raise RequestError("the prompt is empty (and the tokenizer adds no BOS token)", "prompt")
+        if request.n < 1:
+            raise RequestError(f"n must be >= 1, got {request.n}", "n")
+        need = len(request.prompt_ids) + max(p.max_new_tokens, 1)
+        if need > self.max_context:
+            raise RequestError(f"this model's context is {self.max_context} tokens; the request needs "
+                               f"{len(request.prompt_ids)} prompt + {p.max_new_tokens} completion tokens",
+                               "max_tokens", "context_length_exceeded")
+        if -(-need // self.kv.block_size) > self.kv.n_blocks:
+            raise RequestError(f"the request needs {need} tokens of KV cache; the whole pool holds "
+                               f"{self.kv.n_blocks * self.kv.block_size}", "max_tokens", "context_length_exceeded")
+
+    def add(self, request: Request) -> None:
+        """Queue ``request``'s sequences; raises QueueFull past the admission bound."""
+        self.check(request)
+        if request.request_id in self.requests:
+            raise RequestError(f"request id {request.request_id} is already in flight", "request_id")
+        if self.num_waiting + request.n > self.max_waiting:
+            raise QueueFull(f"the admission queue is full ({self.num_waiting} sequences waiting, bound "
+                            f"{self.max_waiting}); retry later")
+        namespace = self.adapter_key(request.adapter) if request.adapter else ""
+        arrival = next(self._arrivals)
+        seqs = [Sequence(next(self._ids), request, i, (request.priority, arrival), namespace)
+                for i in range(request.n)]
+        self.requests[request.request_id] = seqs
+        if request.adapter:
+            self.adapter_users[request.adapter] = self.adapter_users.get(request.adapter, 0) + request.n
+        for seq in seqs:
+            self._push_waiting(seq)
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = WAITING
+        heapq.heappush(self.waiting, (seq.order, seq.seq_id, seq))
+        self.num_waiting += 1
+
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> list[SeqOutput]:
+        """Finish a request's sequences (all, or choice ``index``) now; returns their final outputs."""
+        outs = []
+        for seq in self.requests.get(request_id, ()):
+            if seq.status != FINISHED and (index is None or seq.index == index):
+                outs.append(self._finish(seq, reason, None))
+        return outs
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    # -- planning ---------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        kv = self.kv
+        budget = self.max_batched_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        decodes_left = sum(1 for s in self.running if s.remaining == 1)
+        i = 0
+        preempted = False
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            rem = seq.remaining
+            if rem == 1:
+                decodes_left -= 1
+                n = 1
+            else:
+                n = min(rem, budget - decodes_left)
+                if n <= 0:
+                    i += 1
+                    continue
+            need = kv.blocks_needed(seq.seq_id, seq.num_computed + n)
+            while need > kv.num_free and self.running[-1] is not seq:
+                victim = self.running[-1]
+                if victim.remaining == 1:
+                    decodes_left -= 1
+                self._preempt(victim)
+                preempted = True
+            if need > kv.num_free:             # nothing after it is left to preempt
+                self._preempt(seq)
+                preempted = True
+                break
+            kv.ensure(seq.seq_id, seq.num_computed + n)
+            chosen.append((seq, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            budget = self._admit(chosen, budget)
+        if not chosen:
+            return None
+        return self._plan(chosen)
+
+    def _admit(self, chosen: list[tuple[Sequence, int]], budget: int) -> int:
+        kv = self.kv
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            _, _, seq = self.waiting[0]
+            if seq.status != WAITING:          # aborted while waiting
+                heapq.heappop(self.waiting)
+                continue
+            # the last token is always run (its logits are needed), so at most len-1 come cached
+            block_hashes(seq.tokens[:len(seq.tokens) - 1], kv.block_size, seq.namespace, seq.hashes)
+            usable = (len(seq.tokens) - 1) // kv.block_size
+            cached = kv.lookup(seq.hashes[:usable])
+            start = len(cached) * kv.block_size
+            n = min(len(seq.tokens) - start, budget)
+            # blocks the chunk needs beyond the cached ones; cached blocks nobody references
+            # count as free until claimed, so take them out of the free count
+            idle_cached = sum(1 for b in cached if kv.refcount[b] == 0)
+            need = -(-(start + n) // kv.block_size) - len(cached)
+            if need > kv.num_free - idle_cached:
+                break
+            if seq.request.adapter is not None:
+                try:
+                    slot = self._acquire(seq)
+                except InfengError as e:
+                    self.failed.append(self._finish(seq, "error", str(e)))
+                    continue
+                if slot is None:
+                    break
+                seq.adapter_slot = slot
+            heapq.heappop(self.waiting)
+            self.num_waiting -= 1
+            kv.claim(seq.seq_id, cached, usable)
+            kv.ensure(seq.seq_id, start + n)
+            seq.num_computed = start
+            if seq.cached_tokens is None:       # first admission (not a return after preemption)
+                seq.cached_tokens = min(start, seq.prompt_len)
+                self.stats.prompt_tokens += seq.prompt_len
+            seq.status = RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.order)
+            chosen.append((seq, n))
+            budget -= n
+        return budget
+
+    def _acquire(self, seq: Sequence) -> int | None:
+        if self.acquire_adapter is None:
+            raise RequestError("this engine serves no adapters", "model", "model_not_found", 404)
+        return self.acquire_adapter(seq.request.adapter, seq.seq_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        if self.release is not None:
+            self.release(seq.seq_id)
+        seq.num_computed = 0
+        self._push_waiting(seq)
+        self.stats.preemptions += 1
+
+    def _plan(self, chosen: list[tuple[Sequence, int]]) -> StepPlan:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        adapters: list[int] = []
+        rows: list[int] = []
+        sampled: list[Sequence] = []
+        any_adapter = False
+        prefill = 0
+        slot_of = self.kv.slot_of
+        for seq, n in chosen:
+            start = seq.num_computed
+            slot = slot_of[seq.seq_id]
+            adapter = seq.adapter_slot
+            if n == 1:
+                tokens.append(seq.tokens[start])
+                positions.append(start)
+                slots.append(slot)
+                adapters.append(adapter)
+            else:
+                tokens.extend(seq.tokens[start:start + n])
+                positions.extend(range(start, start + n))
+                slots.extend([slot] * n)
+                adapters.extend([adapter] * n)
+                prefill += n
+            any_adapter = any_adapter or adapter >= 0
+            if start + n == len(seq.tokens):
+                rows.append(len(tokens) - 1)
+                sampled.append(seq)
+        return StepPlan([s for s, _ in chosen], [n for _, n in chosen], np.array(tokens, dtype=np.int32),
+                        np.array(positions, dtype=np.int32), np.array(slots, dtype=np.int32),
+                        np.array(adapters, dtype=np.int32) if any_adapter else None,
+                        np.array(rows, dtype=np.int32), sampled, prefill, len(tokens) - prefill)
+
+    # -- results ----------------------------------------------------------------------------
+    def update(self, plan: StepPlan, logits: np.ndarray) -> list[SeqOutput]:
+        """Advance the planned sequences by the step's results; sample where logits were asked for."""
+        kv, bs = self.kv, self.kv.block_size
+        self.stats.steps += 1
+        for seq, n in zip(plan.seqs, plan.counts):
+            if seq.status != RUNNING:
+                continue
+            if seq.num_computed < seq.prompt_len:
+                self.stats.computed_prompt_tokens += min(n, seq.prompt_len - seq.num_computed)
+            seq.num_computed += n
+            n_full = seq.num_computed // bs
+            if n_full > kv.published_of.get(seq.seq_id, 0):
+                block_hashes(seq.tokens[:n_full * bs], bs, seq.namespace, seq.hashes)
+                kv.register(seq.seq_id, seq.hashes, n_full)
+        outs: list[SeqOutput] = []
+        greedy_rows = [r for r, s in enumerate(plan.sampled) if s.greedy]
+        greedy_tokens = logits[greedy_rows].argmax(axis=1).tolist() if greedy_rows else []
+        g = 0
+        for r, seq in enumerate(plan.sampled):
+            if seq.greedy:
+                token = greedy_tokens[g]
+                g += 1
+            else:
+                token = sample(logits[r], seq.request.params, seq.rng)
+            if seq.status != RUNNING:
+                continue
+            outs.append(self._emit(seq, token, logits[r]))
+        return outs
+
+    def _emit(self, seq: Sequence, token: int, row: np.ndarray) -> SeqOutput:
+        p = seq.request.params
+        cached = 0
+        if not seq.reported_cached:
+            seq.reported_cached, cached = True, seq.cached_tokens or 0
+        if token in self.eos and not p.ignore_eos:
+            out = self._finish(seq, "stop", None)
+            out.cached_tokens = cached
+            return out
+        out = SeqOutput(seq.request, seq.index, token, cached_tokens=cached)
+        k = seq.request.logprobs
+        if k is not None:
+            z = row.astype(np.float64)
+            z -= z.max()
+            logp = z - np.log(np.exp(z).sum())
+            out.logprob = float(logp[token])
+            if k > 0:
+                top = np.argpartition(-logp, k - 1)[:k]
+                top = top[np.argsort(-logp[top], kind="stable")]
+                out.top_logprobs = [(int(t), float(logp[t])) for t in top]
+        seq.tokens.append(token)
+        seq.generated += 1
+        self.stats.generated_tokens += 1
+        if seq.generated >= p.max_new_tokens or len(seq.tokens) >= self.max_context:
+            self._finish(seq, "length", None)
+            out.finish_reason = "length"
+        return out
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None) -> SeqOutput:
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+            self.kv.free(seq.seq_id)
+            if self.release is not None:
+                self.release(seq.seq_id)
+        elif seq.status == WAITING:
+            self.num_waiting -= 1              # its heap entry is dropped lazily
+        seq.status = FINISHED
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        request = seq.request
+        seqs = self.requests.get(request.request_id)
+        if seqs is not None and all(s.status == FINISHED for s in seqs):
+            del self.requests[request.request_id]
+            if request.adapter:
+                self.adapter_users[request.adapter] -= request.n
+                if not self.adapter_users[request.adapter]:
+                    del self.adapter_users[request.adapter]
+        return SeqOutput(request, seq.index, None, reason, error=error)
+
+    def fail(self, plan: StepPlan, error: str) -> list[SeqOutput]:
+        """The step failed: finish every sequence in it with ``error``."""
+        return [self._finish(seq, "error", error) for seq in plan.seqs if seq.status != FINISHED]
+
+    def reset_stats(self) -> None:
+        self.stats = SchedulerStats()

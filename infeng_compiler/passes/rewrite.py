@@ -71,7 +71,7 @@ def weight_derived_values(graph: Graph) -> set[str]:
     """Values computed from a weight (folding them would copy the weight into the graph)."""
     heavy: set[str] = set()
     for n in graph.nodes:
-        if n.weights or any(v.name in heavy for v in n.inputs):
+        if n.op != "shape" and (n.weights or any(v.name in heavy for v in n.inputs)):
             heavy.update(v.name for v in n.outputs)
     return heavy
 

@@ -1,0 +1,330 @@
+"""Unit tests of the serving runtime below HTTP: the KV block manager and its prefix cache, the
+scheduler's step plans (token budget, chunked prefill, priorities, preemption, admission bound,
+cancellation), consumer-side text (stop strings, logprob entries), chat templates against
+transformers, and the offline ``LLM`` API against one-at-a-time generation."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from _serving import AloneReference, served_artifact
+from infeng_runtime.kv_cache import BlockAllocator, KVCacheFull, block_hashes
+from infeng_runtime.sampling import SamplingParams
+from infeng_runtime.scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput
+
+BS = 4
+
+
+# -- KV block manager -------------------------------------------------------------------------
+def test_hash_chain_depends_on_prefix_and_namespace():
+    a = block_hashes(list(range(12)), BS)
+    assert len(a) == 3 and len(set(a)) == 3
+    assert block_hashes(list(range(13)), BS) == a                  # a partial block has no hash
+    b = block_hashes([99] + list(range(1, 12)), BS)
+    assert b[0] != a[0] and b[1] != a[1], "a block's hash covers everything before it"
+    assert block_hashes(list(range(12)), BS, namespace="lora-x")[0] != a[0]
+    known = a[:1]
+    assert block_hashes(list(range(12)), BS, known=known) == a and known == a
+
+
+def test_allocator_shares_published_blocks_and_evicts_lru():
+    kv = BlockAllocator(n_blocks=6, block_size=BS, max_seqs=4, max_context=64)
+    tokens = list(range(10))
+    hashes = block_hashes(tokens, BS)
+    kv.ensure(0, 10)                                                # 3 blocks
+    kv.register(0, hashes, 2)                                       # two full blocks computed
+    assert kv.cached_blocks == 2 and kv.used_blocks == 3
+    found = kv.lookup(hashes)
+    assert found == kv.blocks_of[0][:2]
+    kv.claim(1, found, queried=2)
+    assert kv.hits == 2 and kv.queries == 2
+    assert kv.block_table[kv.slot_of[1], :2].tolist() == found
+    assert [kv.refcount[b] for b in found] == [2, 2]
+    kv.free(0)
+    assert kv.used_blocks == 2                                      # seq 1 still holds the shared pair
+    kv.free(1)
+    assert kv.used_blocks == 0 and kv.cached_blocks == 2 and kv.num_free == 6
+    # a new owner needing every block evicts the cached ones, the tail of the chain first
+    kv.ensure(2, 16)
+    assert kv.evictions == 0 and kv.cached_blocks == 2
+    kv.ensure(2, 20)
+    assert kv.evictions == 1 and kv.lookup(hashes) == found[:1]
+    kv.ensure(2, 24)
+    assert kv.cached_blocks == 0
+    with pytest.raises(KVCacheFull):
+        kv.ensure(3, 4)
+
+
+def test_allocator_keeps_first_published_copy_and_can_be_disabled():
+    kv = BlockAllocator(8, BS, 2, 32)
+    hashes = block_hashes(list(range(8)), BS)
+    kv.ensure(0, 8)
+    kv.ensure(1, 8)
+    kv.register(0, hashes, 2)
+    kv.register(1, hashes, 2)                                       # same contents: stays private
+    assert kv.lookup(hashes) == kv.blocks_of[0]
+    kv.free(1)
+    assert kv.num_free == 6 and kv.cached_blocks == 2
+    off = BlockAllocator(8, BS, 2, 32, prefix_cache=False)
+    off.ensure(0, 8)
+    off.register(0, hashes, 2)
+    assert off.lookup(hashes) == [] and off.cached_blocks == 0
+
+
+def test_engine_step_api_unchanged():
+    kv = BlockAllocator(4, BS, 2, 16)
+    kv.ensure(5, 3)
+    kv.ensure(5, 9)
+    assert len(kv.blocks_of[5]) == 3 and kv.slot(5) == kv.slot_of[5]
+    with pytest.raises(Exception, match="max context"):
+        kv.ensure(5, 17)
+    kv.free(5)
+    assert kv.used_blocks == 0 and kv.free_slots
+
+
+# -- scheduler --------------------------------------------------------------------------------
+VOCAB = 32
+
+
+def make_scheduler(n_blocks=64, max_seqs=4, budget=8, max_waiting=16, **kw) -> Scheduler:
+    return Scheduler(BlockAllocator(n_blocks, BS, max_seqs, 256), eos_token_ids=[0], max_batched_tokens=budget,
+                     max_waiting=max_waiting, **kw)
+
+
+def request(rid: str, n_prompt: int, max_new: int = 4, priority: int = 0, start: int = 1, **kw) -> Request:
+    ids = [(start + i) % (VOCAB - 1) + 1 for i in range(n_prompt)]
+    return Request(rid, ids, SamplingParams(max_new_tokens=max_new), priority=priority, **kw)
+
+
+def run_step(sched: Scheduler, next_token: int = 7):
+    """Plan a step and feed logits that make every sampled row pick ``next_token``."""
+    plan = sched.schedule()
+    if plan is None:
+        return None, []
+    logits = np.zeros((len(plan.logits_rows), VOCAB), dtype=np.float32)
+    logits[:, next_token] = 1.0
+    return plan, sched.update(plan, logits)
+
+
+def rows_of(plan) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for seq, n in zip(plan.seqs, plan.counts):
+        counts[seq.request.request_id] = counts.get(seq.request.request_id, 0) + n
+    return counts
+
+
+def test_chunked_prefill_under_token_budget_and_decode_first():
+    sched = make_scheduler(budget=8)
+    sched.add(request("long", 19))
+    plan, outs = run_step(sched)
+    assert rows_of(plan) == {"long": 8} and not outs                 # a chunk: no logits yet
+    assert plan.positions.tolist() == list(range(8))
+    plan, outs = run_step(sched)
+    assert plan.positions.tolist() == list(range(8, 16))
+    sched.add(request("short", 3, start=5))
+    plan, outs = run_step(sched)                                     # prompt ends: sampled
+    assert rows_of(plan) == {"long": 3, "short": 3} and len(outs) == 2
+    assert plan.logits_rows.tolist() == [2, 5]
+    plan, outs = run_step(sched)                                     # both decoding
+    assert rows_of(plan) == {"long": 1, "short": 1}
+    sched.add(request("big", 30, start=9))
+    plan, _ = run_step(sched)
+    # decodes come first and the new prompt gets what is left of the budget
+    assert [s.request.request_id for s in plan.seqs] == ["long", "short", "big"]
+    assert rows_of(plan) == {"long": 1, "short": 1, "big": 6}
+    assert plan.decode_tokens == 2 and plan.prefill_tokens == 6
+
+
+def test_priorities_then_fifo():
+    sched = make_scheduler(max_seqs=1, budget=64)
+    for rid, prio in (("b", 1), ("a", 0), ("c", 1), ("d", 0)):
+        sched.add(request(rid, 3, max_new=1, priority=prio))
+    order = []
+    while sched.has_work:
+        plan, outs = run_step(sched)
+        order += [o.request.request_id for o in outs if o.finish_reason]
+    assert order == ["a", "d", "b", "c"]
+
+
+def test_admission_bound_and_request_checks():
+    sched = make_scheduler(max_waiting=3)
+    sched.add(request("x", 3, n=2))
+    with pytest.raises(QueueFull):
+        sched.add(request("y", 3, n=2))
+    sched.add(request("z", 3))
+    with pytest.raises(RequestError, match="context"):
+        sched.add(request("long", 250, max_new=10))
+    with pytest.raises(RequestError, match="empty"):
+        sched.add(Request("e", [], SamplingParams()))
+    with pytest.raises(RequestError, match="in flight"):
+        sched.add(request("z", 3))
+
+
+def test_abort_waiting_and_running():
+    sched = make_scheduler(max_seqs=1)
+    sched.add(request("run", 3, max_new=50))
+    sched.add(request("wait", 3, max_new=50))
+    run_step(sched)
+    assert sched.num_waiting == 1 and len(sched.running) == 1
+    outs = sched.abort("wait")
+    assert [(o.request.request_id, o.finish_reason) for o in outs] == [("wait", "abort")]
+    assert sched.num_waiting == 0
+    sched.abort("run")
+    assert not sched.has_work and sched.kv.used_blocks == 0 and not sched.requests
+    assert run_step(sched)[0] is None
+
+
+def test_eos_and_max_tokens_finish():
+    sched = make_scheduler()
+    sched.add(request("eos", 3, max_new=10))
+    _, outs = run_step(sched, next_token=0)
+    assert outs[0].finish_reason == "stop" and outs[0].token is None
+    sched.add(request("len", 3, max_new=2))
+    run_step(sched)
+    _, outs = run_step(sched)
+    assert outs[0].finish_reason == "length" and outs[0].token == 7
+    assert sched.kv.used_blocks == 0
+
+
+def test_preemption_recomputes_latest_lowest_priority():
+    # 6 blocks of 4 tokens; two sequences of 8-token prompts growing to 12 tokens each: 3+3 blocks fit,
+    # a third sequence forces the latest to give way.
+    sched = make_scheduler(n_blocks=6, max_seqs=3, budget=64)
+    sched.add(request("first", 8, max_new=8, start=1))
+    sched.add(request("second", 8, max_new=8, start=11))
+    sched.add(request("third", 7, max_new=8, start=21))
+    finished, preempted_seen = {}, False
+    for _ in range(100):
+        if not sched.has_work:
+            break
+        plan, outs = run_step(sched)
+        preempted_seen |= sched.stats.preemptions > 0
+        for o in outs:
+            if o.finish_reason:
+                finished[o.request.request_id] = o.finish_reason
+    assert finished == {"first": "length", "second": "length", "third": "length"}
+    assert preempted_seen and sched.kv.used_blocks == 0
+
+
+def test_prefix_cache_in_scheduler():
+    sched = make_scheduler(budget=64)
+    sched.add(request("a", 10, max_new=1))
+    run_step(sched)
+    sched.add(request("b", 10, max_new=1))                           # same prompt: two full blocks cached
+    plan, _ = run_step(sched)
+    assert plan.positions.tolist() == [8, 9] and sched.kv.hits == 2
+    assert sched.stats.computed_prompt_tokens == 12
+
+
+def test_adapter_slots_per_token():
+    slots = {"x": 2, "y": 0}
+    sched = make_scheduler(budget=64, acquire_adapter=lambda name, seq: slots[name])
+    sched.add(request("base", 2))
+    sched.add(request("x", 3, adapter="x"))
+    sched.add(request("y", 1, adapter="y"))
+    plan, _ = run_step(sched)
+    assert plan.adapter_slots.tolist() == [-1, -1, 2, 2, 2, 0]
+    sched.add(request("waits", 2, adapter="x"))
+    busy = make_scheduler(acquire_adapter=lambda name, seq: None)
+    busy.add(request("w", 2, adapter="x"))
+    assert busy.schedule() is None and busy.num_waiting == 1
+
+
+# -- consumer-side text -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return served_artifact(tmp_path_factory.mktemp("serve-artifact"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(artifact):
+    from infeng_runtime.tokenizer import Tokenizer
+
+    return Tokenizer(artifact)
+
+
+def test_stop_string_across_tokens_is_held_back(tokenizer):
+    from infeng_runtime.detokenize import ChoiceText
+
+    prompt = tokenizer.encode("Once upon a time")
+    ids = tokenizer.encode("Once upon a time, there was a little girl named Lily")
+    assert ids[:len(prompt)] == prompt
+    ids = ids[len(prompt):]
+    req = Request("r", prompt, SamplingParams())
+    text = ChoiceText(tokenizer, prompt, stop=("girl na",), logprobs=True)
+    seen = ""
+    for t in ids:
+        delta = text.push(SeqOutput(req, 0, t, logprob=-0.5))
+        if delta:
+            seen += delta.text
+            assert "girl" not in seen or text.done
+        if text.done:
+            break
+    assert seen == text.text == ", there was a little " and text.finish_reason == "stop"
+    assert "".join(e.text for e in text.entries) == text.text
+
+
+def test_chat_template_renders_like_transformers(tokenizer):
+    chat_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    from infeng_runtime.chat import render_chat
+
+    template = ("{%- set ns = namespace(n=0) -%}{{ bos_token }}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+                "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}"
+                "<{{ m['role'] }}>{{ m['content'] | tojson }}\n"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}[{{ ns.n }}]")
+    messages = [{"role": "system", "content": "Be brief, \"ok\"?"}, {"role": "user", "content": "héllo"}]
+    want = chat_utils.render_jinja_template([messages], chat_template=template, add_generation_prompt=True,
+                                            bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    want = want[0][0] if isinstance(want, tuple) else want[0]
+    assert render_chat(tokenizer, messages, template=template) == want
+    with pytest.raises(Exception, match="bad role"):
+        render_chat(tokenizer, [{"role": "tool", "content": "x"}], template=template)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert "a\\nb" in render_chat(tokenizer, parts, template=template)
+
+
+# -- offline API and the threaded loop ----------------------------------------------------------
+def test_offline_batch_equals_one_at_a_time(artifact):
+    from infeng_runtime.llm import LLM
+
+    prompts = ["Once upon a time", "The dog", "Lily and Tom went to the park. They", "A big red ball"] * 3
+    llm = LLM(artifact, threads=1, max_seqs=6, max_batched_tokens=16)
+    got = llm.generate(prompts, SamplingParams(max_new_tokens=20))
+    ref = AloneReference(artifact)
+    assert [c.text for c in got] == [ref(p, 20) for p in prompts]
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 20 for c in got)
+    stopped = llm.generate(["Once upon a time"], SamplingParams(max_new_tokens=40, stop=("Lily",)))[0]
+    assert stopped.finish_reason == "stop" and stopped.text == ref("Once upon a time", 40).split("Lily")[0]
+    tiny = LLM(artifact, threads=1, max_seqs=6, kv_blocks=6)
+    again = tiny.generate(prompts, SamplingParams(max_new_tokens=20))
+    assert [c.text for c in again] == [c.text for c in got]
+    assert tiny.loop.scheduler.stats.preemptions > 0
+
+
+def test_threaded_loop_cancels_and_frees(artifact):
+    from infeng_runtime.engine import Engine
+    from infeng_runtime.loop import EngineLoop
+
+    loop = EngineLoop(Engine(artifact, threads=1, max_seqs=2)).start()
+    got: list[SeqOutput] = []
+    first = threading.Event()
+
+    def sink(outs):
+        got.extend(outs)
+        first.set()
+
+    ids = loop.engine.tokenizer.encode("Once upon a time")
+    loop.submit(Request("r", ids, SamplingParams(max_new_tokens=400, ignore_eos=True), sink=sink))
+    assert first.wait(30)
+    loop.abort("r")
+    deadline = time.monotonic() + 10
+    while loop.snapshot()["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    snap = loop.snapshot()
+    loop.stop()
+    assert got[-1].finish_reason == "abort" and len(got) < 400
+    assert snap["running"] == 0 and snap["kv_blocks_used"] == 0
+    assert not loop.alive

@@ -36,6 +36,10 @@ class AdapterSlots:
             raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first")
         linears = {s["target"]: (s["out"], s["in"]) for s in self.sites}
         adapter = load_adapter(path, linears, name, base_name=self.base_name)
+        dora = [t for t, m in adapter.modules.items() if m.magnitude is not None]
+        if dora:
+            raise AdapterError(f"{path}: DoRA adapters ({dora[0]} has a magnitude vector) can only be merged: "
+                               f"compile with --lora {name}=DIR --merge {name}")
         if adapter.max_rank > self.max_rank:
             raise AdapterError(f"{path}: adapter rank {adapter.max_rank} exceeds the artifact's max rank "
                                f"{self.max_rank}; recompile with --max-rank {adapter.max_rank}")

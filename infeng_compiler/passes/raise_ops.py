@@ -495,6 +495,8 @@ class _Raiser:
         _need(isinstance(heads, int) and isinstance(head_dim, int))
         _need(q_src.type.shape[-1] == heads * head_dim and k_src.type.shape[-1] % head_dim == 0)
         kv_heads = k_src.type.shape[-1] // head_dim
+        if abs(scale * math.sqrt(head_dim) - 1.0) <= 1e-6:   # sqrt(s) on q and k each, in float32
+            scale = 1.0 / math.sqrt(head_dim)
         new: list[Node] = []
         q, k, v = (self.rows(x, new) for x in (q_src, k_src, v_src))
         layer = self.layers

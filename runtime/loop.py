@@ -287,4 +287,5 @@ class EngineLoop:
                     "prompt_tokens": sched.stats.prompt_tokens,
                     "computed_prompt_tokens": sched.stats.computed_prompt_tokens,
                     "generated_tokens": sched.stats.generated_tokens, "steps": self.stats.steps,
+                    "step_seconds": self.stats.step_seconds, "forward_seconds": self.stats.forward_seconds,
                     "overhead_seconds_per_step": self.stats.overhead_seconds}

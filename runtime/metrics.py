@@ -35,7 +35,9 @@ class _LoopCollector:
                     ("infeng_prompt_tokens_computed", "prompt tokens run (not served from the prefix cache)",
                      s["computed_prompt_tokens"]),
                     ("infeng_generation_tokens", "tokens generated", s["generated_tokens"]),
-                    ("infeng_steps", "forward steps run", s["steps"])]
+                    ("infeng_steps", "forward steps run", s["steps"]),
+                    ("infeng_step_seconds", "time in loop iterations that ran a step", s["step_seconds"]),
+                    ("infeng_step_forward_seconds", "time of those inside the forward call", s["forward_seconds"])]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
 

@@ -227,18 +227,23 @@ class Scheduler:
 
     # -- planning ---------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        kv = self.kv
+        kv, bs, blocks_of = self.kv, self.kv.block_size, self.kv.blocks_of
         budget = self.max_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
-        decodes_left = sum(1 for s in self.running if s.remaining == 1)
+        decodes_left = sum(1 for s in self.running if len(s.tokens) - s.num_computed == 1)
         i = 0
         preempted = False
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            rem = seq.remaining
+            rem = len(seq.tokens) - seq.num_computed
             if rem == 1:
                 decodes_left -= 1
                 n = 1
+                if seq.num_computed < len(blocks_of[seq.seq_id]) * bs:    # fast path: its block exists
+                    chosen.append((seq, 1))
+                    budget -= 1
+                    i += 1
+                    continue
             else:
                 n = min(rem, budget - decodes_left)
                 if n <= 0:
@@ -366,13 +371,17 @@ class Scheduler:
             if seq.num_computed < seq.prompt_len:
                 self.stats.computed_prompt_tokens += min(n, seq.prompt_len - seq.num_computed)
             seq.num_computed += n
-            n_full = seq.num_computed // bs
-            if n_full > kv.published_of.get(seq.seq_id, 0):
-                block_hashes(seq.tokens[:n_full * bs], bs, seq.namespace, seq.hashes)
-                kv.register(seq.seq_id, seq.hashes, n_full)
+            if seq.num_computed % bs < n:      # a block boundary was reached: publish full blocks
+                n_full = seq.num_computed // bs
+                if n_full > kv.published_of.get(seq.seq_id, 0):
+                    block_hashes(seq.tokens[:n_full * bs], bs, seq.namespace, seq.hashes)
+                    kv.register(seq.seq_id, seq.hashes, n_full)
         outs: list[SeqOutput] = []
         greedy_rows = [r for r, s in enumerate(plan.sampled) if s.greedy]
-        greedy_tokens = logits[greedy_rows].argmax(axis=1).tolist() if greedy_rows else []
+        if len(greedy_rows) == len(plan.sampled):
+            greedy_tokens = logits.argmax(axis=1).tolist()
+        else:
+            greedy_tokens = logits[greedy_rows].argmax(axis=1).tolist() if greedy_rows else []
         g = 0
         for r, seq in enumerate(plan.sampled):
             if seq.greedy:

@@ -34,7 +34,7 @@ from .metrics import ServerMetrics
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Request, RequestError, SeqOutput
 
-RETRY_AFTER_SECONDS = 1
+DISCONNECT_POLL_SECONDS = 0.5
 
 
 # -- request bodies ---------------------------------------------------------------------------
@@ -208,19 +208,7 @@ class Server:
 
         app = FastAPI(title="infeng", lifespan=lifespan)
         metrics = self.metrics
-
-        @app.middleware("http")
-        async def count(request: HTTPRequest, call_next):
-            path = request.url.path
-            try:
-                response = await call_next(request)
-            except Exception:
-                if path.startswith("/v1/"):
-                    metrics.requests.labels(_endpoint(path), "500").inc()
-                raise
-            if path.startswith("/v1/"):
-                metrics.requests.labels(_endpoint(path), str(response.status_code)).inc()
-            return response
+        app.add_middleware(_CountRequests, metrics=metrics)
 
         @app.exception_handler(APIError)
         async def api_error(request: HTTPRequest, e: APIError):
@@ -334,15 +322,18 @@ class Server:
         metrics = self.metrics
         first: dict[int, float] = {}
         last: dict[int, float] = {}
+        next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
         try:
             while not all(t.done for t in texts):
                 try:
-                    outs = await asyncio.wait_for(pending.queue.get(), timeout=1.0)
+                    outs = await asyncio.wait_for(pending.queue.get(), timeout=DISCONNECT_POLL_SECONDS)
                 except asyncio.TimeoutError:
-                    if http is not None and await http.is_disconnected():
-                        return
-                    continue
+                    outs = []
                 now = time.monotonic()
+                if http is not None and now >= next_check:       # a non-streamed request's client
+                    next_check = now + DISCONNECT_POLL_SECONDS
+                    if await http.is_disconnected():
+                        return
                 batch = []
                 for o in outs:
                     c = pending.choices[(o.request.request_id, o.index)]
@@ -553,6 +544,29 @@ class Server:
         except InfengError as e:
             raise APIError(404, str(e), "not_found_error", "name", "model_not_found") from None
         return {"id": name, "object": "model", "deleted": True}
+
+
+class _CountRequests:
+    """Counts /v1/ requests by endpoint and status (plain ASGI: a BaseHTTPMiddleware would hide
+    client disconnects from the handlers)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(_endpoint(scope["path"]), str(status[0])).inc()
 
 
 def _sse(payload: dict[str, Any]) -> str:

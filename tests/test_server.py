@@ -267,3 +267,28 @@ def test_serve_cli_errors_are_one_line(artifact, tmp_path):
     assert bad.stderr.strip().count("\n") == 0 and "/no/such/adapter" in bad.stderr
     bad = subprocess.run([*infeng_command(), "serve", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not a compiled artifact" in bad.stderr
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_cancels_the_request(server, stream):
+    import time
+
+    body = {"model": "stories260K", "prompt": PROMPT, "n": 8, "max_tokens": 490, "ignore_eos": True, "stream": stream}
+    before = metric(httpx.get(f"{server}/metrics", timeout=10).text, "infeng_generation_tokens_total")
+    with httpx.Client(base_url=server, timeout=30 if stream else 0.3) as c:
+        try:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                if stream:
+                    for i, _ in enumerate(r.iter_lines()):
+                        if i > 3:
+                            break
+        except httpx.ReadTimeout:
+            pass
+    deadline = time.monotonic() + 10
+    while True:
+        text = httpx.get(f"{server}/metrics", timeout=10).text
+        if metric(text, "infeng_running_sequences") == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert metric(text, "infeng_running_sequences") == 0 and metric(text, "infeng_kv_blocks_used") == 0
+    assert metric(text, "infeng_generation_tokens_total") - before < 8 * 490, "the request ran to the end"

@@ -1,0 +1,204 @@
+"""Serving throughput: aggregate tok/s of N concurrent streaming clients against ``infeng serve``,
+and the scheduler's Python overhead per step; optionally the same clients against llama-server.
+
+    python bench/serve.py --preset smollm135 --dtype f16 --streams 1,4,16 --threads 2
+    python bench/serve.py --artifact stories.infeng --streams 1,4,16 --no-peer
+
+Each client streams one /v1/completions request: a distinct random prompt of ``--prompt-len``
+token ids, ``--max-tokens`` new tokens, greedy, ``ignore_eos`` (random weights would stop at
+random places). Everything is on loopback. One JSON line per result:
+
+- ``tok_s``: generated tokens of all clients / wall time from the first request to the last token;
+- ``ttft_ms_p50``, ``itl_ms_p50``: client-side time to first token and between tokens;
+- ``step_overhead_us``: Python time per engine step outside the forward call (schedule, arrays,
+  sampling, handing outputs to the event loop), from the server's /metrics counters;
+  ``forward_ms``: the forward call per step.
+
+With the peer (llama.cpp's ``llama-server -np N``, same GGUF weights class, same thread count, same
+clients), ``ratio`` is infeng / llama-server in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import PEER, emit, ensure_artifact, ensure_gguf, ensure_model  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise SystemExit(f"server at {url} did not come up in {timeout} s")
+
+
+def start_infeng(artifact: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "infeng_compiler.cli", "serve", str(artifact), "--port", str(port),
+           "--threads", str(args.threads), "--max-seqs", str(max(args.streams)), "--log-level", "warning",
+           "--max-context", str(args.prompt_len + args.max_tokens + 16)]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def start_llama_server(gguf: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    binary = PEER / "build" / "bin" / "llama-server"
+    n = max(args.streams)
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
+           "-c", str(n * (args.prompt_len + args.max_tokens + 16)), "-t", str(args.threads), "-tb", str(args.threads),
+           "--no-webui"]
+    env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The unlabelled samples of infeng's /metrics."""
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.split()[:2]
+            values[name] = float(value)
+    return values
+
+
+async def one_stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int
+                     ) -> tuple[float, list[float], int]:
+    """(request start, arrival time of each chunk with text, tokens generated)."""
+    t0 = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"HTTP {r.status_code}: {(await r.aread())[:500]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[6:])
+            if payload.get("usage"):
+                tokens = payload["usage"]["completion_tokens"]
+            if payload.get("choices") and payload["choices"][0].get("text"):
+                arrivals.append(time.perf_counter())
+    return t0, arrivals, tokens or len(arrivals)
+
+
+async def run_level(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(client, model, p, max_tokens) for p in prompts))
+        wall = time.perf_counter() - t0
+    total = sum(r[2] for r in results)
+    ttft = [r[1][0] - r[0] for r in results if r[1]]
+    itl = [b - a for r in results for a, b in zip(r[1], r[1][1:])]
+    return {"tok_s": total / wall, "tokens": total, "wall_s": wall,
+            "ttft_ms_p50": 1e3 * float(np.median(ttft)) if ttft else None,
+            "itl_ms_p50": 1e3 * float(np.median(itl)) if itl else None}
+
+
+def model_id(url: str) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def bench_server(kind: str, url: str, args, vocab: int) -> dict[int, dict]:
+    rng = np.random.default_rng(0)
+    model = model_id(url)
+    warm = [rng.integers(3, vocab, size=args.prompt_len).tolist()]
+    asyncio.run(run_level(url, model, warm, 8))
+    out = {}
+    for n in args.streams:
+        prompts = [rng.integers(3, vocab, size=args.prompt_len).tolist() for _ in range(n)]
+        before = scrape(url) if kind == "infeng" else {}
+        result = asyncio.run(run_level(url, model, prompts, args.max_tokens))
+        if kind == "infeng":
+            after = scrape(url)
+            steps = after["infeng_steps_total"] - before["infeng_steps_total"]
+            step_s = after["infeng_step_seconds_total"] - before["infeng_step_seconds_total"]
+            fwd_s = after["infeng_step_forward_seconds_total"] - before["infeng_step_forward_seconds_total"]
+            result.update(steps=int(steps), step_overhead_us=1e6 * (step_s - fwd_s) / max(steps, 1),
+                          forward_ms=1e3 * fwd_s / max(steps, 1))
+        out[n] = result
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--artifact", help="serve this artifact (no peer) instead of building a preset")
+    ap.add_argument("--preset", default="smollm135")
+    ap.add_argument("--model", help="a Hugging Face model dir instead of a preset")
+    ap.add_argument("--dtype", default="f16", choices=["f32", "f16", "bf16"])
+    ap.add_argument("--target", default="native")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--streams", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--workdir", default=str(Path.home() / ".cache" / "infeng" / "bench"))
+    ap.add_argument("--no-peer", action="store_true", help="skip llama-server")
+    args = ap.parse_args()
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+
+    if args.artifact:
+        artifact, gguf = Path(args.artifact), None
+    else:
+        model = ensure_model(args)
+        artifact = ensure_artifact(model, args)
+        gguf = None if args.no_peer else ensure_gguf(model, args)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    vocab = manifest["constants"]["vocab_size"]
+    common = dict(model=manifest["name"], dtype=manifest.get("dtype"), target=manifest["target"],
+                  threads=args.threads, prompt_len=args.prompt_len, max_tokens=args.max_tokens)
+
+    servers = [("infeng", start_infeng, artifact)] + ([("llama-server", start_llama_server, gguf)] if gguf else [])
+    results: dict[str, dict[int, dict]] = {}
+    for kind, start, path in servers:
+        log = Path(args.workdir) / f"serve-{kind}.log"
+        proc, url = start(path, args, log)
+        try:
+            wait_healthy(url, proc, log)
+            results[kind] = bench_server(kind, url, args, vocab)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    for n in args.streams:
+        ours = results["infeng"][n]
+        peer = results.get("llama-server", {}).get(n)
+        row = {"bench": "serve", "streams": n, **common, **{k: round(v, 3) if isinstance(v, float) else v
+                                                            for k, v in ours.items()}}
+        if peer:
+            row.update(peer_tok_s=round(peer["tok_s"], 2), ratio=round(ours["tok_s"] / peer["tok_s"], 3))
+        emit(**row)
+
+
+if __name__ == "__main__":
+    main()

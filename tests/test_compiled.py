@@ -116,9 +116,11 @@ def test_mixed_batch_equals_one_at_a_time(compiled):
     np.testing.assert_allclose(mixed[1], alone_b[0][0], rtol=0, atol=1e-5 * np.abs(alone_b[0]).max())
 
 
-def test_prefill_longer_than_one_call(compiled, synthetic_checkpoint):
+def test_prefill_longer_than_one_call(tmp_path, synthetic_checkpoint):
     """A prompt longer than max_tokens is split into calls; the KV cache carries across them."""
-    engine = Engine(compiled("tiny-llama", model=synthetic_checkpoint("tiny-llama")))
+    artifact = tmp_path / "small-calls.infeng"
+    compile_model(synthetic_checkpoint("tiny-llama"), artifact, CompileOptions(max_tokens=64))
+    engine = Engine(artifact)
     ids = list(np.random.default_rng(0).integers(0, 500, size=engine.max_tokens + 37))
     interp = Interpreter(import_hf(synthetic_checkpoint("tiny-llama")))
     want = interp.step(ids, np.arange(len(ids)), np.zeros(len(ids)), np.array([0, len(ids) - 1]))

@@ -471,7 +471,8 @@ class Server:
             raise APIError(400, str(e), param="messages") from None
         ids = self.tokenizer.encode(text, add_bos=False)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        room = max(1, self.loop.scheduler.max_context - len(ids))
+        kv = self.loop.scheduler.kv
+        room = max(1, min(self.loop.scheduler.max_context, kv.n_blocks * kv.block_size) - len(ids))
         params = self._params(body, max_tokens, room)
         k = (body.top_logprobs or 0) if body.logprobs else None
         rid = f"chatcmpl-{uuid.uuid4().hex}"

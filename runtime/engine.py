@@ -16,6 +16,7 @@ from .kv_cache import BlockAllocator
 from .tokenizer import Tokenizer
 
 ABI_VERSION = 1
+_SMALL_STEP = 64    # steps of at most this many tokens take the pure-Python bookkeeping path
 
 
 class CPUFeatureError(InfengError):
@@ -122,13 +123,25 @@ class Engine:
         rows = np.arange(n, dtype=np.int32) if logits_rows is None else np.asarray(logits_rows, dtype=np.int32)
         if n == 0 or positions.shape != (n,) or seq_ids.shape != (n,):
             raise InfengError("tokens, positions and seq_ids must be non-empty 1-D arrays of one length")
-        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            raise InfengError(f"token id out of range [0, {self.vocab_size})")
-        slots = np.empty(n, dtype=np.int32)
-        for seq in np.unique(seq_ids):
-            mask = seq_ids == seq
-            self.kv.ensure(int(seq), int(positions[mask].max()) + 1)
-            slots[mask] = self.kv.slot_of[int(seq)]
+        if n <= _SMALL_STEP:      # decode-sized: plain Python beats numpy's per-call overhead
+            ids, seqs = tokens.tolist(), seq_ids.tolist()
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise InfengError(f"token id out of range [0, {self.vocab_size})")
+            length: dict[int, int] = {}
+            for seq, pos in zip(seqs, positions.tolist()):
+                length[seq] = max(length.get(seq, 0), pos + 1)
+            for seq, need in length.items():
+                self.kv.ensure(int(seq), need)
+            slot_of = self.kv.slot_of
+            slots = np.array([slot_of[int(seq)] for seq in seqs], dtype=np.int32)
+        else:
+            if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+                raise InfengError(f"token id out of range [0, {self.vocab_size})")
+            slots = np.empty(n, dtype=np.int32)
+            for seq in np.unique(seq_ids):
+                mask = seq_ids == seq
+                self.kv.ensure(int(seq), int(positions[mask].max()) + 1)
+                slots[mask] = self.kv.slot_of[int(seq)]
         if adapter_slots is not None:
             adapter_slots = np.ascontiguousarray(adapter_slots, dtype=np.int32)
             if adapter_slots.shape != (n,):

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from infeng_compiler.errors import InfengError
 
 from .adapters import AdapterError
-from .scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput, StepPlan
+from .scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput
 
 __all__ = ["EngineLoop", "LoopStats", "QueueFull", "RequestError"]
 
@@ -72,6 +72,7 @@ class EngineLoop:
         self._wake = threading.Condition(self.lock)
         self._commands: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
         self._thread: threading.Thread | None = None
+        self._held: list[SeqOutput] = []          # outputs of the last step, handed over before the next
         self._stop = False
         self.error: BaseException | None = None
 
@@ -202,9 +203,10 @@ class EngineLoop:
             failed, self.scheduler.failed = self.scheduler.failed, []
             if self._draining:
                 self._retire_adapters()
-        self._deliver(failed)
+        held, self._held = self._held, []
+        self._deliver(held + failed)
         if plan is None:
-            return bool(failed)
+            return bool(failed or held)
         t1 = time.perf_counter()
         try:
             logits = self.engine.forward(plan.tokens, plan.positions, plan.slots, plan.logits_rows,
@@ -218,7 +220,13 @@ class EngineLoop:
             with self.lock:
                 outs = self.scheduler.update(plan, logits)
         generated = self.scheduler.stats.generated_tokens
-        self._deliver(outs)
+        if self._thread is not None and self.scheduler.has_work:
+            # hand the outputs over just before the next forward call: the consumers then do their
+            # Python work (detokenizing, writing streams) while this thread is in C without the
+            # GIL, instead of competing with it for the GIL while it plans the next step
+            self._held = outs
+        else:
+            self._deliver(outs)
         t3 = time.perf_counter()
         s = self.stats
         s.steps += 1
@@ -232,11 +240,16 @@ class EngineLoop:
         try:
             while True:
                 with self._wake:
-                    while not self._stop and not self.scheduler.has_work and not self._commands:
+                    while not self._stop and not self.scheduler.has_work and not self._commands \
+                            and not self._held:
                         self._wake.wait(0.5)
                     if self._stop:
-                        return
-                self.run_once()
+                        break
+                if not self.run_once():             # work, but none of it can run yet: don't spin
+                    with self._wake:
+                        self._wake.wait(0.002)
+            held, self._held = self._held, []
+            self._deliver(held)
         except BaseException as e:          # keep the reason for /health; fail what is in flight
             self.error = e
             with self.lock:

@@ -30,6 +30,8 @@ class _LoopCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = [("infeng_prefix_cache_hits", "KV blocks found in the prefix cache at admission", s["prefix_hits"]),
                     ("infeng_prefix_cache_queries", "KV blocks looked up in the prefix cache", s["prefix_queries"]),
+                    ("infeng_prefix_cache_misses", "KV blocks looked up and not found (queries - hits)",
+                     s["prefix_queries"] - s["prefix_hits"]),
                     ("infeng_preemptions", "sequences preempted (recompute) for lack of KV blocks", s["preemptions"]),
                     ("infeng_prompt_tokens", "prompt tokens of admitted sequences", s["prompt_tokens"]),
                     ("infeng_prompt_tokens_computed", "prompt tokens run (not served from the prefix cache)",

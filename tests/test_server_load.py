@@ -131,6 +131,7 @@ def test_prefix_cache_computes_shared_system_prompt_once(artifact, reference, tm
     assert cached[0] == 0 and all(c >= shared_blocks * 16 for c in cached[1:])
     hits = metric(text, "infeng_prefix_cache_hits_total")
     assert hits >= 2 * shared_blocks
+    assert metric(text, "infeng_prefix_cache_misses_total") == metric(text, "infeng_prefix_cache_queries_total") - hits
     prompt_total = sum(len(tok.encode(system + q)) for q in questions)
     computed = metric(text, "infeng_prompt_tokens_computed_total")
     assert computed <= prompt_total - 2 * shared_blocks * 16

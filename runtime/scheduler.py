@@ -399,6 +399,10 @@ class Scheduler:
         cached = 0
         if not seq.reported_cached:
             seq.reported_cached, cached = True, seq.cached_tokens or 0
+        if p.max_new_tokens == 0:              # max_tokens=0: the prompt is run, nothing is generated
+            out = self._finish(seq, "length", None)
+            out.cached_tokens = cached
+            return out
         if token in self.eos and not p.ignore_eos:
             out = self._finish(seq, "stop", None)
             out.cached_tokens = cached

@@ -143,6 +143,8 @@ def test_stop_strings(client, reference):
 def test_max_tokens(client):
     got = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=5, temperature=0)
     assert got.usage.completion_tokens == 5 and got.choices[0].finish_reason == "length"
+    none = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=0)
+    assert none.choices[0].text == "" and none.usage.completion_tokens == 0
     chat = client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "hi"}],
                                           max_completion_tokens=3, temperature=0)
     assert chat.usage.completion_tokens == 3

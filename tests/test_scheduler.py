@@ -328,3 +328,19 @@ def test_threaded_loop_cancels_and_frees(artifact):
     assert got[-1].finish_reason == "abort" and len(got) < 400
     assert snap["running"] == 0 and snap["kv_blocks_used"] == 0
     assert not loop.alive
+
+
+def test_more_adapters_than_slots(artifact, tmp_path):
+    """Six adapters on an artifact with four slots: adapters are (re)loaded into slots as their
+    sequences are admitted, and every output equals the adapter run alone."""
+    from _serving import write_adapter
+    from infeng_runtime.llm import LLM
+
+    dirs = {f"x{i}": write_adapter(tmp_path / f"x{i}", seed=300 + i) for i in range(6)}
+    llm = LLM(artifact, threads=1, max_seqs=3, adapters=dirs)
+    names = [f"x{i % 6}" for i in range(12)]
+    prompts = ["Once upon a time", "The dog ran"] * 6
+    got = llm.generate(prompts, SamplingParams(max_new_tokens=8), adapter=names)
+    for name, prompt, c in zip(names, prompts, got):
+        assert c.text == AloneReference(artifact, {name: dirs[name]})(prompt, 8, name), name
+    assert len(llm.engine.adapters) <= 4 and set(llm.loop.adapters) == set(dirs)

@@ -133,34 +133,51 @@ def _all(*checks: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]]
     return check
 
 
-#: Vector geometry of the ISA templates: f32 lanes and architectural vector registers.
+#: f32 lanes per vector register of each ISA template.
 _LANES = {"scalar": 1, "avx2": 8, "avx512": 16, "avx512-bf16": 16}
 _L1_BYTES = 32 * 1024
 _L2_BYTES = 1024 * 1024
 
 
+@dataclass(frozen=True)
+class _LinearTiles:
+    """Register tiles of the linear kernel for one ISA template (measured on Zen 4, see docs)."""
+
+    gemv_tokens: int      # token rows sharing each weight vector (accumulators: tokens x unroll)
+    mr: int               # packed micro-kernel token rows (accumulators: mr x 2 vectors)
+
+
+_LINEAR_TILES = {"avx2": _LinearTiles(gemv_tokens=2, mr=6),          # 16 ymm registers
+                 "avx512": _LinearTiles(gemv_tokens=4, mr=8),        # 32 zmm registers
+                 "avx512-bf16": _LinearTiles(gemv_tokens=4, mr=8)}
+#: Accumulators per output along K: enough independent FMA chains to cover the FMA latency at T=1.
+_GEMV_UNROLL = 4
+#: Token rows from which the packed GEMM beats the dot-product path (crossover measured at 16-24).
+_GEMM_MIN_T = 16
+#: Largest k depth of a packed block: an MR x KC tile of x stays in L1 (8 x 512 x 4 B = 16 KiB).
+_GEMM_MAX_KC = 512
+#: Work items per matrix the packed path aims for, so that threads get balanced ranges.
+_GEMM_MIN_ITEMS = 8
+
+
 def _plan_linear(p: dict[str, Any], isa: str) -> dict[str, Any]:
     """Tiling of the linear kernel for one template ISA (see docs/codegen.md)."""
     K, N, wbytes = p["K"], p["N"], _WEIGHT_BYTES[p["wdtype"]]
-    if isa == "scalar":
-        return {"rows_per_item": max(1, _L1_BYTES // 2 // (K * wbytes))}
-    lanes = _LANES[isa]
-    dot_bf16 = isa == "avx512-bf16"
-    # dot-product (GEMV) tiles: rows x tokens accumulators, plus a weight vector per row and x
-    gemv_rows, gemv_tokens = (1, 4) if lanes == 16 else (1, 2)
     # a work item's weight rows stay in half of L1 while every token tile passes over them
-    gemv_block = max(gemv_rows, (_L1_BYTES // 2 // (K * wbytes)) // gemv_rows * gemv_rows)
-    # packed GEMM: MR x NR accumulators (NR = 2 vectors), KC x NR panel, block of NC columns in L2
-    mr, nr = (8, 2 * lanes) if lanes == 16 else (6, 2 * lanes)
-    kc = min(_round_up(K, 2), 512)
-    panel_budget = _L2_BYTES // 4 // (kc * 4)
-    nc = max(nr, min(panel_budget // nr * nr, _round_up(-(-N // 8), nr)))
+    rows_in_l1 = max(1, _L1_BYTES // 2 // (K * wbytes))
+    if isa == "scalar":
+        return {"rows_per_item": rows_in_l1}
+    lanes, tiles = _LANES[isa], _LINEAR_TILES[isa]
+    k_chunk = 2 * lanes if isa == "avx512-bf16" else lanes        # elements per vector of weights
+    nr = 2 * lanes                                                 # panel = two vectors of outputs
+    kc = min(_round_up(K, 2), _GEMM_MAX_KC)                        # even: bf16 pairs
+    # a packed block of NC x KC f32 takes at most a quarter of L2
+    nc_in_l2 = max(nr, _L2_BYTES // 4 // (kc * 4) // nr * nr)
+    nc = min(nc_in_l2, _round_up(-(-N // _GEMM_MIN_ITEMS), nr))
     return {
-        "gemv_rows": gemv_rows, "gemv_tokens": gemv_tokens, "gemv_block": gemv_block,
-        "gemv_unroll": 4, "prefetch_bytes": 0,
-        "gemm_min_t": 16,
-        "mr": mr, "nr": nr, "kc": kc, "nc": nc,
-        "k_tail": K % (2 * lanes if dot_bf16 else lanes),
+        "gemv_tokens": tiles.gemv_tokens, "gemv_unroll": _GEMV_UNROLL, "gemv_block": rows_in_l1,
+        "k_tail": K % k_chunk,
+        "gemm_min_t": _GEMM_MIN_T, "mr": tiles.mr, "nr": nr, "kc": kc, "nc": nc,
     }
 
 
@@ -171,10 +188,6 @@ def _round_up(x: int, m: int) -> int:
 def _plan_row_tail(size: str) -> Callable[[dict[str, Any], str], dict[str, Any]]:
     """Elements of a row of ``size`` left after whole vectors of the template ISA."""
     return lambda p, isa: {"tail": p[size] % _LANES[isa]}
-
-
-def _plan_attention(p: dict[str, Any], isa: str) -> dict[str, Any]:
-    return {"group": p["n_heads"] // p["n_kv_heads"]}
 
 
 def _check_attention(p: dict[str, Any]) -> None:
@@ -245,7 +258,7 @@ OPS: dict[str, _OpKernel] = {
         ("scalar", "avx2", "avx512"),
         lambda p: [f"h{p['n_heads']}", f"kv{p['n_kv_heads']}", f"d{p['head_dim']}", f"b{p['block_size']}",
                    f"s{_sym_float(p['scale'])}", f"w{p['window']}"],
-        _check_attention, _plan_attention),
+        _check_attention),
     "silu_mul": _OpKernel(
         ("N",),
         "void {sym}(const float *gate /* [T, N] */, const float *up /* [T, N] */, int T, float *out /* [T, N] */)",
@@ -313,7 +326,18 @@ def _environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FunctionLoader(load), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["cf"] = c_float
+    env.globals["member"] = enum_member
     return env
+
+
+#: Column of the comment after an enum member in generated C.
+_COMMENT_COLUMN = 36
+
+
+def enum_member(name: str, value: Any, comment: str | None = None) -> str:
+    """``NAME = value,`` with its comment aligned, for the shape enums of generated C."""
+    text = f"{name} = {value},"
+    return f"{text:<{_COMMENT_COLUMN}}/* {comment} */" if comment else text
 
 
 def render_template(name: str, **context: Any) -> str:

@@ -104,8 +104,10 @@ class Backend(str, Enum):
     compiled = "compiled"
 
 
-def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0, tokenizer_dir: Path | None = None):
-    """(step backend, tokenizer): a compiled Engine for an artifact, else the interpreter."""
+def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0, tokenizer_dir: Path | None = None,
+                 quantize: tuple[str, list[str]] | None = None):
+    """(step backend, tokenizer): a compiled Engine for an artifact, else the interpreter
+    (over the graph after ``quantize``, a ``quantize`` pipeline entry, when given)."""
     from infeng_runtime.tokenizer import Tokenizer
 
     from .artifact import is_artifact
@@ -113,6 +115,9 @@ def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0,
     from .interp import Interpreter
 
     if is_artifact(model):
+        if quantize is not None:
+            raise InfengError(f"{model}: is a compiled artifact, quantized (or not) when it was compiled; "
+                              "--quant/--quant-policy apply to a model directory")
         if backend == Backend.interp:
             raise InfengError(f"{model}: is a compiled artifact; --backend interp needs the model directory")
         from infeng_runtime.engine import Engine
@@ -128,7 +133,17 @@ def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0,
     if source.tokenizer_dir is None:
         raise InfengError(f"{model}: an ONNX model carries no tokenizer; give --tokenizer DIR")
     tokenizer = Tokenizer(source.tokenizer_dir, graph.meta.get("bos_token_id"), graph.meta.get("eos_token_ids"))
+    if quantize is not None:
+        from .passes.manager import PassManager
+
+        PassManager([quantize]).run(graph, {"tokenizer": tokenizer, "model_dir": source.tokenizer_dir})
     return Interpreter(graph), tokenizer
+
+
+class QuantPreset(str, Enum):
+    int8 = "int8"
+    int4 = "int4"
+    fp8 = "fp8"
 
 
 @app.command("eval")
@@ -142,23 +157,43 @@ def eval_command(model: Path = typer.Argument(..., help="model directory"),
                  threads: int = typer.Option(0, "--threads", help="compiled backend threads (0 = physical cores)"),
                  batch: int = typer.Option(8, "--batch", help="chunks per forward step"),
                  as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
-                 tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer dir (ONNX)")):
+                 tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer dir (ONNX)"),
+                 quant: Optional[QuantPreset] = typer.Option(None, "--quant",
+                                                             help="quantize the model dir first (interpreter)"),
+                 quant_policy: Optional[Path] = typer.Option(None, "--quant-policy", help="per-tensor formats (JSON)"),
+                 calib: Optional[Path] = typer.Option(None, "--calib", help="calibration text for --quant"),
+                 calib_max_bytes: Optional[int] = typer.Option(None, "--calib-max-bytes",
+                                                               help="use only the first N bytes of --calib"),
+                 kld_base: Optional[Path] = typer.Option(None, "--kld-base",
+                                                         help="model dir or artifact to compare with: adds mean KL "
+                                                              "divergence and top-1 agreement")):
     """Perplexity by the llama.cpp protocol (BOS per chunk, second half of each chunk scored)."""
     from .evaluate import perplexity, read_text
+    from .passes.quantize import quantize_entry
 
-    runner, tokenizer = _load_runner(model, backend, threads, tokenizer_dir)
+    entry = quantize_entry(quant.value if quant else None, quant_policy, calib, calib_max_bytes)
+    runner, tokenizer = _load_runner(model, backend, threads, tokenizer_dir, entry)
+    base = _load_runner(kld_base, Backend.auto, threads, tokenizer_dir)[0] if kld_base else None
     ids = tokenizer.encode(read_text(ppl, max_bytes), add_bos=True)
     with progress_bar() as bar:
         task = bar.add_task("perplexity", total=None)
         result = perplexity(runner.step, runner.free, ids, ctx, tokenizer.bos_token_id, batch=batch,
-                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+                            progress=lambda done, total: bar.update(task, completed=done, total=total),
+                            base_step=base.step if base else None, base_free=base.free if base else None)
     used = "interp" if type(runner).__name__ == "Interpreter" else "compiled"
     out = {**result.as_dict(), "backend": used, "model": str(model)}
+    if entry:
+        out["pipeline"] = f"{entry[0]}({','.join(entry[1])})"
+    if kld_base:
+        out["kld_base"] = str(kld_base)
     if as_json:
         print(json.dumps(out))
     else:
         print(f"PPL {result.ppl:.4f}  ({result.chunks} chunks of {ctx}, {result.scored} tokens scored, "
               f"{result.seconds:.1f} s)")
+        if result.kld is not None:
+            print(f"base PPL {result.base_ppl:.4f}  drift {100 * (result.ppl / result.base_ppl - 1):+.3f}%  "
+                  f"mean KLD {result.kld:.6f}  top-1 agreement {100 * result.top1:.2f}%")
 
 
 @app.command("generate")
@@ -243,7 +278,14 @@ def compile_command(model: Path = typer.Argument(..., help="model directory, mod
                     lora_targets: str = typer.Option("", "--lora-targets",
                                                      help="modules with slots, e.g. q_proj+v_proj (default all)"),
                     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer",
-                                                             help="tokenizer/config dir (an ONNX model has none)")):
+                                                             help="tokenizer/config dir (an ONNX model has none)"),
+                    quant: Optional[QuantPreset] = typer.Option(None, "--quant",
+                                                                help="quantize the weights: int8, int4 or fp8"),
+                    quant_policy: Optional[Path] = typer.Option(None, "--quant-policy",
+                                                                help="per-tensor formats (JSON, see docs/quantization.md)"),
+                    calib: Optional[Path] = typer.Option(None, "--calib", help="calibration text (AWQ + clipping)"),
+                    calib_max_bytes: Optional[int] = typer.Option(None, "--calib-max-bytes",
+                                                                  help="use only the first N bytes of --calib")):
     """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
     from rich.table import Table
 
@@ -256,7 +298,8 @@ def compile_command(model: Path = typer.Argument(..., help="model directory, mod
     options = CompileOptions(target=target, dtype=dtype.value, passes=passes, dump_ir=dump_ir,
                              max_tokens=max_tokens, profile=profile, lora=adapters, merge=list(merge),
                              max_adapters=max_adapters, max_rank=max_rank, lora_targets=lora_targets,
-                             tokenizer=tokenizer)
+                             tokenizer=tokenizer, quant=quant.value if quant else None, quant_policy=quant_policy,
+                             calib=calib, calib_max_bytes=calib_max_bytes)
     with progress_bar() as bar:
         task = bar.add_task("compile", total=None)
         summary = compile_model(model, output, options,
@@ -276,6 +319,30 @@ def compile_command(model: Path = typer.Argument(..., help="model directory, mod
                               + ("" if record.changed else " (no change)"))
     table.add_row("total", f"{summary.seconds:.2f} s")
     err.print(table)
+    if summary.quant:
+        err.print(quant_table(summary.quant))
+
+
+def quant_table(report):
+    """Formats and bytes of a ``quantize`` pass: one row per format, then the total."""
+    from rich.table import Table
+
+    table = Table(title=f"weights by format ({report.scheme})")
+    for column in ("format", "tensors", "params", "bytes", "bits/weight"):
+        table.add_column(column, justify="left" if column == "format" else "right")
+    params = total = 0
+    for row in report.by_format():
+        table.add_row(row["format"], str(row["tensors"]), f"{row['params']:,}", f"{row['bytes']:,}", f"{row['bpw']:.3f}")
+        params, total = params + row["params"], total + row["bytes"]
+    table.add_row("all matrices", str(len(report.tensors)), f"{params:,}", f"{total:,}", f"{8 * total / max(params, 1):.3f}")
+    notes = [f"{t.name}: {t.fallback_from} does not fit K={t.shape[1]}, stored as {t.format}"
+             for t in report.tensors if t.fallback_from]
+    notes += [f"{t.name}: padded to {list(t.padded)}" for t in report.tensors if t.padded and not t.fallback_from]
+    if report.calib_tokens:
+        notes.append(f"calibrated on {report.calib_tokens:,} tokens; AWQ scales folded at {len(report.awq)} sites")
+    if notes:
+        table.caption = "\n".join(notes[:8] + ([f"... and {len(notes) - 8} more"] if len(notes) > 8 else []))
+    return table
 
 
 @app.command("run")

@@ -19,6 +19,7 @@ from .frontends import ONNX_PIPELINE, import_model, model_source
 from .frontends.peft import load_adapter
 from .ir import print_graph
 from .passes.manager import PassManager, PassRecord, format_pipeline, parse_pipeline
+from .passes.quantize import QuantReport, quant_layout, quantize_entry
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_BLOCK_SIZE = 16
@@ -40,6 +41,10 @@ class CompileOptions:
     max_adapters: int = 0               # LoRA slots (0: none, unless unmerged --lora adapters need them)
     max_rank: int = 0                   # max rank per slot (0: the largest rank among --lora adapters)
     lora_targets: str = ""              # '+'-separated module suffixes with slots (default: all linears)
+    quant: str | None = None            # int8, int4, fp8 (passes/quantize.py)
+    quant_policy: Path | None = None    # per-tensor overrides (quant/policy.py)
+    calib: Path | None = None           # calibration text
+    calib_max_bytes: int | None = None
 
     def pipeline(self, adapters: dict | None = None) -> list[tuple[str, list[str]]]:
         if self.passes:
@@ -50,7 +55,8 @@ class CompileOptions:
             k = self.max_adapters or max(4, len(slotted))
             r = self.max_rank or max([a.max_rank for a in slotted] + [16])
             entries.append(("lora-slots", [str(k), str(r)] + ([self.lora_targets] if self.lora_targets else [])))
-        return entries + [("cast-weights", [self.dtype])]
+        quantize = quantize_entry(self.quant, self.quant_policy, self.calib, self.calib_max_bytes)
+        return entries + [("cast-weights", [self.dtype])] + ([quantize] if quantize else [])
 
 
 @dataclass
@@ -63,6 +69,7 @@ class CompileSummary:
     cache_hit: bool
     stages: dict[str, float] = field(default_factory=dict)
     passes: list[PassRecord] = field(default_factory=list)
+    quant: QuantReport | None = None
 
     @property
     def seconds(self) -> float:
@@ -90,7 +97,9 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
     adapters = timed("adapters", lambda: {name: load_adapter(path, graph, name) for name, path in options.lora.items()})
     pipeline = options.pipeline(adapters)
     manager = PassManager(pipeline, dump_dir=options.dump_ir)
-    timed("passes", lambda: manager.run(graph, {"adapters": adapters}))
+    pass_ctx = {"adapters": adapters, "model_dir": model_dir}
+    timed("passes", lambda: manager.run(graph, pass_ctx))
+    quant = pass_ctx.get("quant_report")
     lowered = timed("lower", lambda: lower(graph, target, max_tokens=options.max_tokens,
                                            block_size=options.block_size))
     sources, baseline = timed("render", lambda: render_sources(lowered, graph.name, options.profile))
@@ -130,7 +139,8 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
             "constants": lowered.constants,
             "weights_bytes": lowered.weights_bytes,
             "tensors": [{"name": s.name, "format": s.format, "shape": list(s.shape), "offset": s.offset,
-                         "nbytes": s.nbytes} for s in lowered.weights],
+                         "nbytes": s.nbytes, **quant_layout(graph.weights[s.name])} for s in lowered.weights],
+            **({"quant": quant.as_dict()} if quant else {}),
             "kernels": [s.symbol for s in lowered.specs],
             "profile": [vars(e) for e in lowered.profile] if options.profile else [],
             "adapters": {"merged": list(options.merge), "bundled": bundled},
@@ -144,4 +154,4 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return CompileSummary(out_dir, target.name, format_pipeline(pipeline), lowered.weights_bytes,
-                          len(lowered.specs), build.cache_hit, stages, manager.records)
+                          len(lowered.specs), build.cache_hit, stages, manager.records, quant)

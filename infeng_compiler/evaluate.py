@@ -26,10 +26,20 @@ class PerplexityResult:
     chunks: int
     ctx: int
     seconds: float
+    # against a base model (``base_step``): its perplexity, the mean KL divergence KL(base || this)
+    # of the next-token distributions and how often both put the same token on top
+    base_ppl: float | None = None
+    kld: float | None = None
+    kld_max: float | None = None
+    top1: float | None = None
 
     def as_dict(self) -> dict:
-        return {"ppl": self.ppl, "nll": self.nll, "tokens": self.tokens, "scored": self.scored,
-                "chunks": self.chunks, "ctx": self.ctx, "seconds": round(self.seconds, 3)}
+        out = {"ppl": self.ppl, "nll": self.nll, "tokens": self.tokens, "scored": self.scored,
+               "chunks": self.chunks, "ctx": self.ctx, "seconds": round(self.seconds, 3)}
+        if self.kld is not None:
+            out.update(base_ppl=self.base_ppl, drift=self.ppl / self.base_ppl - 1.0, kld=self.kld,
+                       kld_max=self.kld_max, top1=self.top1)
+        return out
 
 
 def read_text(path: str | Path, max_bytes: int | None = None) -> str:
@@ -56,31 +66,55 @@ def chunk_tokens(ids: list[int], ctx: int, bos: int | None) -> np.ndarray:
 
 
 def perplexity(step: Callable, free: Callable[[int], None], ids: list[int], ctx: int, bos: int | None,
-               batch: int = 8, progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
+               batch: int = 8, progress: Callable[[int, int], None] | None = None,
+               base_step: Callable | None = None, base_free: Callable[[int], None] | None = None) -> PerplexityResult:
     """Run the protocol through ``step(tokens, positions, seq_ids, logits_rows) -> logits``.
 
-    ``batch`` chunks go through one step as separate sequences.
+    ``batch`` chunks go through one step as separate sequences. With ``base_step`` (another model
+    with the same vocabulary) the same chunks also run through it, adding its perplexity, the mean
+    KL divergence KL(base || model) over the scored positions and the top-1 agreement.
     """
     t0 = time.perf_counter()
     chunks = chunk_tokens(ids, ctx, bos)
     first = ctx // 2
     scored_rows = np.arange(first, ctx - 1)                      # logits rows within a chunk
     nll_sum, count = 0.0, 0
+    base_nll, kld_sum, kld_max, same_top = 0.0, 0.0, 0.0, 0
     for start in range(0, len(chunks), batch):
         group = chunks[start:start + batch]
         b = len(group)
         rows = (np.arange(b)[:, None] * ctx + scored_rows[None, :]).reshape(-1)
-        logits = step(group.reshape(-1), np.tile(np.arange(ctx, dtype=np.int32), b),
-                      np.repeat(np.arange(b, dtype=np.int32), ctx), rows)
+        args = (group.reshape(-1), np.tile(np.arange(ctx, dtype=np.int32), b),
+                np.repeat(np.arange(b, dtype=np.int32), ctx), rows)
         targets = group[:, first + 1:].reshape(-1)
-        z = logits.astype(np.float64)
-        zmax = z.max(axis=1)
-        lse = zmax + np.log(np.exp(z - zmax[:, None]).sum(axis=1))
-        nll_sum += float((lse - z[np.arange(len(targets)), targets]).sum())
+        logp = _log_softmax(step(*args))
+        nll_sum -= float(logp[np.arange(len(targets)), targets].sum())
         count += len(targets)
         for s in range(b):
             free(s)
+        if base_step is not None:
+            base_logp = _log_softmax(base_step(*args))
+            if base_logp.shape != logp.shape:
+                raise InfengError(f"the base model gives logits {base_logp.shape[1:]}, the model {logp.shape[1:]}; "
+                                  "--kld-base needs the same vocabulary")
+            base_nll -= float(base_logp[np.arange(len(targets)), targets].sum())
+            kl = (np.exp(base_logp) * (base_logp - logp)).sum(axis=1)
+            kld_sum += float(kl.sum())
+            kld_max = max(kld_max, float(kl.max()))
+            same_top += int((base_logp.argmax(axis=1) == logp.argmax(axis=1)).sum())
+            for s in range(b):
+                base_free(s)
         if progress:
             progress(min(start + batch, len(chunks)), len(chunks))
     nll = nll_sum / count
-    return PerplexityResult(math.exp(nll), nll, len(ids), count, len(chunks), ctx, time.perf_counter() - t0)
+    result = PerplexityResult(math.exp(nll), nll, len(ids), count, len(chunks), ctx, time.perf_counter() - t0)
+    if base_step is not None:
+        result.base_ppl = math.exp(base_nll / count)
+        result.kld, result.kld_max, result.top1 = kld_sum / count, kld_max, same_top / count
+    return result
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=1, keepdims=True))

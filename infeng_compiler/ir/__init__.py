@@ -4,6 +4,7 @@ from .parser import parse
 from .printer import print_graph
 from .types import SYMBOLS, TensorType, parse_type
 from .verify import verify
+from ..quant import ops as _quant_ops  # noqa: E402,F401  (registers quantize_act with the op registry)
 
 __all__ = ["Graph", "Node", "Value", "Weight", "parse", "print_graph", "SYMBOLS", "TensorType",
            "parse_type", "verify"]

@@ -42,6 +42,9 @@ class Weight:
     transposed: bool = False
     array: np.ndarray | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+    #: for a quantized ``format``: the codes and scales the quantize pass chose
+    #: (``quant.formats.QuantizedTensor``); None: round ``raw()`` on first use (``quantized()``)
+    quant: Any = field(default=None, repr=False)
 
     def raw(self) -> np.ndarray:
         """The stored elements in their storage dtype (bf16 as uint16), logical shape."""
@@ -62,9 +65,25 @@ class Weight:
         """The storage format codegen writes: ``attrs["format"]`` when a pass set one, else the source dtype."""
         return self.attrs.get("format", self.type.dtype)
 
+    def quantized(self):
+        """The ``QuantizedTensor`` of a weight in a quantized format (``quant/formats.py``)."""
+        from ..quant.formats import get_format
+        from ..quant.search import quantize
+
+        if self.quant is None or self.quant.format != self.format:
+            raw = self.raw()
+            f32 = bf16_to_f32(np.asarray(raw)) if self.type.dtype == "bf16" else np.asarray(raw, dtype=np.float32)
+            self.quant = quantize(f32, get_format(self.format))
+        return self.quant
+
     def stored(self) -> np.ndarray:
-        """The weight in its storage format: float32, float16, or bf16 bits as uint16 (contiguous)."""
+        """The weight in its storage format: float32, float16, bf16 bits as uint16, or the packed
+        bytes (uint8) of a quantized format (contiguous)."""
+        from ..quant.formats import is_quantized
+
         raw, src, fmt = self.raw(), self.type.dtype, self.format
+        if is_quantized(fmt):
+            return self.quantized().pack()
         if fmt == src:
             return np.ascontiguousarray(raw)
         f32 = bf16_to_f32(np.asarray(raw)) if src == "bf16" else np.asarray(raw, dtype=np.float32)
@@ -78,6 +97,10 @@ class Weight:
 
     def numpy_f32(self) -> np.ndarray:
         """The weight as float32, rounded through its storage format (a copy when converting)."""
+        from ..quant.formats import is_quantized
+
+        if is_quantized(self.format):
+            return self.quantized().dequantize()
         data = self.stored()
         if self.format == "bf16":
             return bf16_to_f32(data)

@@ -1,0 +1,180 @@
+"""Activation-aware per-channel scaling (AWQ, Lin et al. 2023), folded into the producing op.
+
+For a value ``x`` that only feeds ``linear`` nodes, multiplying the weights' input channels by
+``s`` and dividing ``x`` by ``s`` changes nothing in exact arithmetic, but it changes what
+quantization loses: channels with large activations get finer steps. ``x / s`` is folded into the
+op that produces ``x``, so no op is added:
+
+| producer of x | where 1/s goes |
+| --- | --- |
+| ``rms_norm`` | its weight (γ / s) |
+| ``layer_norm`` | its weight and bias |
+| ``silu_mul(gate, up)`` | the rows (and bias) of the ``linear`` producing ``up`` |
+| ``attention(q, k, v)`` | the rows (and bias) of the ``linear`` producing ``v``; with grouped KV heads every query head of a group shares its KV head's scale |
+
+``s = mean|x|^α`` normalised to geometric mean 1 (``sqrt(max·min)``), with α on a grid; the α whose
+round-to-nearest quantization of every consumer gives the least output error
+``Σ tr(D XᵀX Dᵀ)``, ``D = Q(W·s)/s − W``, wins. α = 0 (no scaling) is on the grid, so the search
+never does worse than no scaling on the calibration data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ir import Graph, Node, TensorType, Weight
+from .calibrate import ActStats
+from .formats import get_format
+from .search import quantize
+
+ALPHAS = tuple(float(a) for a in np.round(np.arange(0.0, 1.0, 0.05), 2))
+
+
+@dataclass
+class AwqScale:
+    """One folded scaling: the value, where 1/s went, the weights multiplied, α and the loss change."""
+
+    value: str
+    folded_into: str
+    weights: list[str]
+    alpha: float
+    loss_before: float
+    loss_after: float
+    scale: np.ndarray
+
+
+def apply_awq(graph: Graph, stats: dict[str, ActStats], formats: dict[str, str],
+              alphas: tuple[float, ...] = ALPHAS) -> list[AwqScale]:
+    """Search and fold a scale for every value whose consumers are all quantized ``linear``
+    nodes and whose producer can absorb it. Returns what was folded (α = 0 results are skipped)."""
+    done: list[AwqScale] = []
+    for value in [v for n in graph.nodes for v in n.outputs]:
+        if value.name not in stats:
+            continue
+        plan = _plan(graph, value.name, formats)
+        if plan is None:
+            continue
+        consumers, fold = plan
+        st = stats[value.name]
+        a = np.maximum(st.abs_mean, 1e-8)
+        if fold[0] == "attention":
+            a = _per_kv_channel(a, fold[1])
+        gram = st.gram / max(st.tokens, 1)
+        ws = [graph.weights[n.weights[0].name].numpy_f32() for n in consumers]
+        fmts = [formats[n.weights[0].name] for n in consumers]
+        base_loss = sum(_loss(w, fmt, np.ones(w.shape[1]), gram) for w, fmt in zip(ws, fmts))
+        best = (base_loss, 0.0, None)
+        for alpha in alphas:
+            if alpha == 0.0:
+                continue
+            s = a ** alpha
+            s = s / np.sqrt(s.max() * s.min())
+            s_in = _expand_kv(s, fold[1]) if fold[0] == "attention" else s
+            loss = sum(_loss(w, fmt, s_in, gram) for w, fmt in zip(ws, fmts))
+            if loss < best[0]:
+                best = (loss, alpha, s)
+        loss, alpha, s = best
+        if alpha == 0.0 or s is None:
+            continue
+        s_in = _expand_kv(s, fold[1]) if fold[0] == "attention" else s
+        for n, w in zip(consumers, ws):
+            _replace(graph, n.weights[0], w * s_in[None, :].astype(np.float32))
+        target = _fold(graph, fold, s)
+        stats[value.name] = st.scaled(s_in)
+        done.append(AwqScale(value.name, target, [n.weights[0].name for n in consumers], alpha,
+                             float(base_loss), float(loss), s_in))
+    return done
+
+
+def _loss(w: np.ndarray, fmt: str, s: np.ndarray, gram: np.ndarray) -> float:
+    scaled = (w * s[None, :]).astype(np.float32)
+    deq = quantize(scaled, get_format(fmt), search=False).dequantize() / s[None, :]
+    d = (deq - w).astype(np.float64)
+    return float(np.einsum("nk,kl,nl->", d, gram, d, optimize=True))
+
+
+def _plan(graph: Graph, value: str, formats: dict[str, str]):
+    """(consumers, fold) when ``value`` can be scaled, else None."""
+    users = graph.users().get(value, [])
+    if not users or any(n.op != "linear" or n.inputs[0].name != value for n in users):
+        return None
+    weight_uses = _weight_uses(graph)
+    for n in users:
+        w = n.weights[0].name
+        if w not in formats or weight_uses[w] != 1:
+            return None
+    producer = graph.producers().get(value)
+    if producer is None:
+        return None
+    if producer.op in ("rms_norm", "layer_norm"):
+        if any(weight_uses[w.name] != 1 for w in producer.weights):
+            return None
+        return users, ("norm", producer)
+    if producer.op == "silu_mul":
+        up = _sole_linear_producer(graph, producer.inputs[1].name, producer, weight_uses)
+        return (users, ("rows", up)) if up is not None else None
+    if producer.op == "attention":
+        v = _sole_linear_producer(graph, producer.inputs[2].name, producer, weight_uses)
+        if v is None:
+            return None
+        return users, ("attention", (producer, v))
+    return None
+
+
+def _weight_uses(graph: Graph) -> dict[str, int]:
+    uses: dict[str, int] = {}
+    for n in graph.nodes:
+        for w in n.weights:
+            uses[w.name] = uses.get(w.name, 0) + 1
+    return uses
+
+
+def _sole_linear_producer(graph: Graph, value: str, consumer: Node, weight_uses: dict[str, int]) -> Node | None:
+    """The ``linear`` producing ``value`` when ``consumer`` is its only reader and its weights are unshared."""
+    p = graph.producers().get(value)
+    if p is None or p.op != "linear" or graph.users().get(value, []) != [consumer]:
+        return None
+    if any(weight_uses[w.name] != 1 for w in p.weights):
+        return None
+    return p
+
+
+def _per_kv_channel(a: np.ndarray, fold) -> np.ndarray:
+    """Mean |x| of the attention output per KV channel (the query heads of a group averaged)."""
+    attn, _ = fold
+    h, kvh, hd = attn.attrs["n_heads"], attn.attrs["n_kv_heads"], attn.attrs["head_dim"]
+    return a.reshape(kvh, h // kvh, hd).mean(axis=1).reshape(-1)
+
+
+def _expand_kv(s: np.ndarray, fold) -> np.ndarray:
+    attn, _ = fold
+    h, kvh, hd = attn.attrs["n_heads"], attn.attrs["n_kv_heads"], attn.attrs["head_dim"]
+    return np.repeat(s.reshape(kvh, 1, hd), h // kvh, axis=1).reshape(-1)
+
+
+def _fold(graph: Graph, fold, s: np.ndarray) -> str:
+    """Divide the producer's output channels by ``s``; returns the weight(s) changed."""
+    kind, target = fold
+    current = lambda w: graph.weights[w.name].numpy_f32()  # noqa: E731  (after earlier folds)
+    if kind == "norm":
+        for w in target.weights:
+            _replace(graph, w, current(w) / s.astype(np.float32))
+        return target.weights[0].name
+    linear = target if kind == "rows" else target[1]
+    w = linear.weights[0]
+    _replace(graph, w, current(w) / s[:, None].astype(np.float32))
+    if len(linear.weights) > 1:
+        b = linear.weights[1]
+        _replace(graph, b, current(b) / s.astype(np.float32))
+    return w.name
+
+
+def _replace(graph: Graph, old: Weight, array: np.ndarray) -> None:
+    """Give weight ``old.name`` new float32 data (an inline weight of the same name and attributes)."""
+    current = graph.weights[old.name]
+    new = Weight(current.name, TensorType("f32", current.type.shape),
+                 array=np.ascontiguousarray(array, dtype=np.float32), attrs=dict(current.attrs))
+    graph.weights[current.name] = new
+    for n in graph.nodes:
+        n.weights = [new if w.name == current.name else w for w in n.weights]

@@ -1,0 +1,90 @@
+"""Calibration: run the float32 model (the reference interpreter) over text and collect, for every
+value that feeds a ``linear``/``logits``, per-channel activation statistics.
+
+For a value ``x`` [tokens, K] the statistics are the token count, the mean |x| per channel (what
+the AWQ scale search raises to a power) and the Gram matrix ``XᵀX`` [K, K] (float64), with which
+the output error of any weight change ``D`` is ``tr(D XᵀX Dᵀ)`` without keeping the activations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..errors import InfengError
+from ..ir import Graph
+from ..ir.ops import get as get_op
+
+#: ops whose first input is multiplied by their first weight (the tensors a search can weigh)
+MATMUL_OPS = ("linear", "lora_linear", "logits")
+
+
+@dataclass
+class ActStats:
+    """Statistics of one activation value over the calibration tokens."""
+
+    tokens: int
+    abs_mean: np.ndarray         # [K] mean |x| per channel
+    gram: np.ndarray             # [K, K] float64, sum over tokens of x xᵀ
+
+    def scaled(self, s: np.ndarray) -> ActStats:
+        """The statistics of ``x / s`` (after a per-channel scale folded into the producer)."""
+        inv = 1.0 / np.asarray(s, dtype=np.float64)
+        return ActStats(self.tokens, self.abs_mean * inv, self.gram * inv[:, None] * inv[None, :])
+
+
+def calibration_ids(tokenizer, path: str | Path, max_bytes: int | None, ctx: int) -> np.ndarray:
+    """The calibration text as [chunks, ctx] token ids, BOS first in every chunk."""
+    from ..evaluate import chunk_tokens, read_text
+
+    ids = tokenizer.encode(read_text(path, max_bytes), add_bos=True)
+    if len(ids) < ctx:
+        raise InfengError(f"{path}: the calibration text has {len(ids)} tokens, fewer than one chunk of {ctx}; "
+                          "give more text (or a larger --calib-max-bytes)")
+    return chunk_tokens(ids, ctx, tokenizer.bos_token_id)
+
+
+def collect(graph: Graph, chunks: np.ndarray, batch: int = 8,
+            progress: Callable[[int, int], None] | None = None) -> dict[str, ActStats]:
+    """Run ``graph`` (float32) over ``chunks`` [n, ctx]; statistics of every matmul input value."""
+    from ..interp import KVStore, Step
+
+    watched = {n.inputs[0].name for n in graph.nodes if n.op in MATMUL_OPS}
+    weights: dict[str, np.ndarray] = {}
+    sums: dict[str, list] = {}
+    n, ctx = chunks.shape
+    for start in range(0, n, batch):
+        group = chunks[start:start + batch]
+        b = len(group)
+        tokens = group.reshape(-1).astype(np.int32)
+        positions = np.tile(np.arange(ctx, dtype=np.int32), b)
+        seq_ids = np.repeat(np.arange(b, dtype=np.int32), ctx)
+        step = Step(seq_ids, np.arange(len(tokens)), KVStore())
+        env: dict[str, np.ndarray] = {"tokens": tokens, "positions": positions,
+                                      "adapter_slots": np.full(len(tokens), -1, np.int32)}
+        for node in graph.nodes:
+            ws = []
+            for w in node.weights:
+                if w.name not in weights:
+                    weights[w.name] = w.numpy_f32()
+                ws.append(weights[w.name])
+            if node.op == "logits":                     # its input is already counted; no logits needed
+                continue
+            outs = get_op(node.op).reference([env[v.name] for v in node.inputs], ws, node.attrs, step)
+            for value, array in zip(node.outputs, outs):
+                env[value.name] = array
+                if value.name in watched:
+                    _accumulate(sums, value.name, array)
+        if progress:
+            progress(min(start + batch, n), n)
+    return {name: ActStats(cnt, absum / cnt, gram) for name, (cnt, absum, gram) in sums.items()}
+
+
+def _accumulate(sums: dict[str, list], name: str, x: np.ndarray) -> None:
+    x64 = np.asarray(x, dtype=np.float64).reshape(-1, x.shape[-1])
+    entry = sums.setdefault(name, [0, np.zeros(x64.shape[1]), np.zeros((x64.shape[1], x64.shape[1]))])
+    entry[0] += x64.shape[0]
+    entry[1] += np.abs(x64).sum(axis=0)
+    entry[2] += x64.T @ x64

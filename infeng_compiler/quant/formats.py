@@ -1,0 +1,293 @@
+"""Quantized weight formats: codes, scales, exact dequantization and the packed byte layouts.
+
+A quantized matrix ``W[N, K]`` (the Hugging Face ``[out, in]`` layout) is a ``QuantizedTensor``:
+unsigned codes ``u[N, Kp]`` (``Kp``: ``K`` padded to a whole number of groups), a scale per group
+(per row for the ``r`` formats) and a zero point per group. Its value is, exactly,
+
+    W[n, k] = float32((u[n, k] - zero[n, g]) * scale[n, g])        g = k // group
+
+computed in float32 from the scale as stored (fp16 scales widened exactly). ``dequantize``
+computes this; the interpreter uses it, so it predicts what the kernels compute up to the order of
+accumulation. The padding columns ``K..Kp`` hold the zero point (value 0).
+
+Formats (``docs/quantization.md`` has the byte layouts):
+
+| name | codes | scale | zero point | bits per weight (K a multiple of the group) |
+| --- | --- | --- | --- | --- |
+| ``q8r`` | int8, one scale per row | f32 per row | 128 (symmetric) | 8 + 32/K |
+| ``q8g32`` ``q8g64`` ``q8g128`` | int8 | fp16 per group | 128 (symmetric) | 8 + 16/G |
+| ``q4g32`` ``q4g64`` ``q4g128`` | int4 | fp16 per group | 8 (symmetric) | 4 + 16/G |
+| ``q4g32a`` ``q4g64a`` ``q4g128a`` | int4 | fp16 per group | u8 per group | 4 + 24/G |
+| ``f8e4m3`` | fp8 e4m3 (OCP "fn": no inf, NaN only at S.1111.111) | f32 per row | — | 8 + 32/K |
+
+Every packed layout interleaves ``ROWS_PER_BLOCK`` = 16 output rows, so that one load holds the
+same k positions of 16 rows and feeds the 16 lanes of one AVX-512 accumulator (two AVX2 ones);
+``N`` is padded to a multiple of 16 with rows of zero scale. Per block of 16 rows: the codes, then
+the scales ([group][row]), then the zero points ([group][row]), padded to 64 bytes. Codes:
+
+- int8: signed bytes q = u - 128, ``[k/2][row][k%2]`` (a k-pair of 16 rows: 32 bytes, widened by
+  vpmovsxbw into one vpdpwssd operand; int8 weights multiply int16 activations);
+- int4: ``[k/8][row][j]`` bytes, j = 0..3, low nibble u[k0 + j], high nibble u[k0 + 4 + j]
+  (k0 = 8*(k/8)): 64 bytes hold 8 k of 16 rows; masking and shifting give two vpdpbusd operands
+  of 4 consecutive k each;
+- fp8: ``[k][row]`` (16 bytes: one k of 16 rows, widened and converted to 16 f32 lanes).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..errors import InfengError
+
+ROWS_PER_BLOCK = 16          # output rows interleaved in one block of the packed layout
+ACT_BLOCK = 32               # activations are quantized to int8 per token in blocks of this many
+BLOCK_ALIGN = 64             # every row block starts 64-byte aligned (one cache line)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One storage format. ``group`` 0 means one scale per row."""
+
+    name: str
+    kind: str                # "int" or "fp8"
+    bits: int                # 8 or 4
+    group: int               # elements per scale along K; 0: the whole row
+    asym: bool = False       # per-group zero point (else the fixed zero 2^(bits-1))
+
+    # -- geometry ---------------------------------------------------------------------------
+    @property
+    def scale_dtype(self) -> np.dtype:
+        return np.dtype(np.float32) if self.group == 0 else np.dtype(np.float16)
+
+    @property
+    def qmin(self) -> int:
+        """Smallest signed code of the symmetric formats (int8 keeps -128 out: see docs)."""
+        return {8: -127, 4: -8}[self.bits]
+
+    @property
+    def qmax(self) -> int:
+        return {8: 127, 4: 7}[self.bits]
+
+    @property
+    def zero(self) -> int:
+        """The fixed zero point of the symmetric formats: codes are stored unsigned, q + zero."""
+        return 1 << (self.bits - 1)
+
+    @property
+    def umax(self) -> int:
+        return (1 << self.bits) - 1
+
+    def padded_k(self, K: int) -> int:
+        """K padded to whole groups (per-row formats: to whole k-pairs for int8, none for fp8)."""
+        if self.group:
+            return _round_up(K, self.group)
+        return _round_up(K, 2) if self.kind == "int" else K
+
+    def groups(self, K: int) -> int:
+        return 1 if self.group == 0 else self.padded_k(K) // self.group
+
+    def block_bytes(self, K: int) -> int:
+        """Bytes of one block of 16 rows (codes, then scales, then zero points; 64-byte padded)."""
+        kp, ng = self.padded_k(K), self.groups(K)
+        codes = ROWS_PER_BLOCK * kp * self.bits // 8
+        scales = ROWS_PER_BLOCK * ng * self.scale_dtype.itemsize
+        zeros = ROWS_PER_BLOCK * ng if self.asym else 0
+        return _round_up(codes + scales + zeros, BLOCK_ALIGN)
+
+    def nbytes(self, shape: tuple[int, int]) -> int:
+        N, K = shape
+        return _round_up(N, ROWS_PER_BLOCK) // ROWS_PER_BLOCK * self.block_bytes(K)
+
+    def bits_per_weight(self, shape: tuple[int, int]) -> float:
+        return 8 * self.nbytes(shape) / (shape[0] * shape[1])
+
+    def padding(self, shape: tuple[int, int]) -> dict[str, int] | None:
+        """``{"N": Np, "K": Kp}`` when the layout pads the matrix, else None (for the manifest)."""
+        N, K = shape
+        np_, kp = _round_up(N, ROWS_PER_BLOCK), self.padded_k(K)
+        return None if (np_, kp) == (N, K) else {"N": np_, "K": kp}
+
+    # -- numerics ---------------------------------------------------------------------------
+    def dequantize(self, qt: QuantizedTensor) -> np.ndarray:
+        """The exact float32 values of ``qt``, logical shape [N, K]."""
+        N, K = qt.shape
+        scale = _expand(qt.scales.astype(np.float32), self, qt.codes.shape[1])
+        if self.kind == "fp8":
+            return np.ascontiguousarray((e4m3_decode(qt.codes) * scale)[:, :K], dtype=np.float32)
+        zero = np.float32(self.zero) if not self.asym else _expand(qt.zeros.astype(np.float32), self, qt.codes.shape[1])
+        centred = qt.codes.astype(np.float32) - zero                  # exact small integers
+        return np.ascontiguousarray((centred * scale)[:, :K], dtype=np.float32)
+
+    def pack(self, qt: QuantizedTensor) -> np.ndarray:
+        """The packed bytes (uint8, ``nbytes(shape)`` long) that go into weights.bin."""
+        return _pack(self, qt)
+
+    def unpack(self, data: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+        """Inverse of ``pack``."""
+        return _unpack(self, np.asarray(data, dtype=np.uint8), tuple(shape))
+
+
+def _expand(per_group: np.ndarray, fmt: QuantFormat, kp: int) -> np.ndarray:
+    """[N, groups] -> [N, Kp] (one value per element)."""
+    if fmt.group == 0:
+        return np.broadcast_to(per_group.reshape(-1, 1), (per_group.shape[0], kp))
+    return np.repeat(per_group, fmt.group, axis=1)
+
+
+@dataclass
+class QuantizedTensor:
+    """Codes and scales of one matrix. ``codes`` uint8 [N, Kp]: unsigned integer codes (q + zero)
+    or e4m3 bytes; ``scales`` [N, groups] in the format's scale dtype; ``zeros`` uint8
+    [N, groups] for the asymmetric formats, else None."""
+
+    format: str
+    shape: tuple[int, int]
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray | None = None
+
+    @property
+    def fmt(self) -> QuantFormat:
+        return get_format(self.format)
+
+    def dequantize(self) -> np.ndarray:
+        return self.fmt.dequantize(self)
+
+    def pack(self) -> np.ndarray:
+        return self.fmt.pack(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# the catalogue
+_NAME = re.compile(r"^q(8|4)(?:r|g(32|64|128))(a?)$")
+
+
+@lru_cache(maxsize=None)
+def get_format(name: str) -> QuantFormat:
+    """The format called ``name``; ``InfengError`` listing the known ones otherwise."""
+    if name == "f8e4m3":
+        return QuantFormat("f8e4m3", "fp8", 8, 0)
+    m = _NAME.match(name)
+    if m and not (m.group(3) and (m.group(1) == "8" or m.group(2) is None)):
+        return QuantFormat(name, "int", int(m.group(1)), int(m.group(2) or 0), bool(m.group(3)))
+    raise InfengError(f"unknown quantized format {name!r}; known: {', '.join(QUANT_FORMATS)}")
+
+
+QUANT_FORMATS = ("q8r", "q8g32", "q8g64", "q8g128", "q4g32", "q4g64", "q4g128", "q4g32a", "q4g64a", "q4g128a",
+                 "f8e4m3")
+#: Formats that are not quantized: the plain float storage of ``cast-weights``.
+FLOAT_FORMATS = ("f32", "f16", "bf16")
+
+
+def is_quantized(name: str) -> bool:
+    return name in QUANT_FORMATS
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 e4m3 ("fn": bias 7, 3 mantissa bits, max 448, no infinities)
+@lru_cache(maxsize=1)
+def _e4m3_table() -> np.ndarray:
+    """float32 value of every code 0..255 (NaN for 0x7f and 0xff)."""
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exp, mant = (codes >> 3) & 0xF, codes & 0x7
+    mag = np.where(exp == 0, mant / 8.0 * 2.0 ** -6, (1 + mant / 8.0) * 2.0 ** (exp - 7.0))
+    values = (sign * mag).astype(np.float32)
+    values[(codes & 0x7F) == 0x7F] = np.nan
+    return values
+
+
+E4M3_MAX = 448.0
+
+
+def e4m3_decode(codes: np.ndarray) -> np.ndarray:
+    return _e4m3_table()[np.asarray(codes, dtype=np.uint8)]
+
+
+def e4m3_encode(x: np.ndarray) -> np.ndarray:
+    """Round float32 to the nearest e4m3 code (ties to even), saturating at +-448."""
+    x = np.asarray(x, dtype=np.float32)
+    positive = _e4m3_table()[:0x7F]                      # codes 0..126, increasing
+    mag = np.minimum(np.abs(x), np.float32(E4M3_MAX))
+    hi = np.clip(np.searchsorted(positive, mag, side="left"), 0, 0x7E)
+    lo = np.maximum(hi - 1, 0)
+    d_lo, d_hi = mag - positive[lo], positive[hi] - mag
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    code = np.where(pick_hi, hi, lo).astype(np.uint8)
+    return np.where(np.signbit(x), code | 0x80, code).astype(np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# packing
+def _pad_rows(a: np.ndarray, rows: int, fill: int | float = 0) -> np.ndarray:
+    if a.shape[0] == rows:
+        return a
+    pad = np.full((rows - a.shape[0],) + a.shape[1:], fill, dtype=a.dtype)
+    return np.concatenate([a, pad], axis=0)
+
+
+def _pack(fmt: QuantFormat, qt: QuantizedTensor) -> np.ndarray:
+    N, K = qt.shape
+    kp, ng = fmt.padded_k(K), fmt.groups(K)
+    if qt.codes.shape != (N, kp) or qt.scales.shape != (N, ng):
+        raise InfengError(f"{fmt.name}: codes {qt.codes.shape} / scales {qt.scales.shape} do not fit shape {qt.shape}")
+    n_blocks = _round_up(N, ROWS_PER_BLOCK) // ROWS_PER_BLOCK
+    R = ROWS_PER_BLOCK
+    pad_code = 0 if fmt.kind == "fp8" else (fmt.zero if not fmt.asym else 0)
+    codes = _pad_rows(qt.codes, n_blocks * R, pad_code).reshape(n_blocks, R, kp)
+    if fmt.kind == "fp8":
+        # byte [k, r]: one k position of 16 rows (one vpmovzxbw feeds 16 outputs)
+        code_bytes = codes.transpose(0, 2, 1).reshape(n_blocks, -1)
+    elif fmt.bits == 8:
+        # int8 q = u - 128 (two's complement), byte [k/2, r, k%2]: a k-pair of 16 rows, which
+        # vpmovsxbw widens into the 16 lanes of a vpdpwssd operand
+        signed = (codes ^ np.uint8(0x80)).reshape(n_blocks, R, kp // 2, 2)
+        code_bytes = signed.transpose(0, 2, 1, 3).reshape(n_blocks, -1)
+    else:
+        # byte [k/8, r, j]: low nibble k = 8*(k/8) + j, high nibble k = 8*(k/8) + 4 + j, j = 0..3
+        octs = codes.reshape(n_blocks, R, kp // 8, 2, 4).transpose(0, 2, 1, 3, 4)
+        code_bytes = (octs[..., 0, :] | (octs[..., 1, :] << 4)).astype(np.uint8).reshape(n_blocks, -1)
+    scales = _pad_rows(np.ascontiguousarray(qt.scales, dtype=fmt.scale_dtype), n_blocks * R)
+    scale_bytes = scales.reshape(n_blocks, R, ng).transpose(0, 2, 1).copy().view(np.uint8).reshape(n_blocks, -1)
+    parts = [code_bytes, scale_bytes]
+    if fmt.asym:
+        zeros = _pad_rows(qt.zeros.astype(np.uint8), n_blocks * R)
+        parts.append(zeros.reshape(n_blocks, R, ng).transpose(0, 2, 1).reshape(n_blocks, -1))
+    body = np.concatenate(parts, axis=1)
+    out = np.zeros((n_blocks, fmt.block_bytes(K)), dtype=np.uint8)
+    out[:, :body.shape[1]] = body
+    return out.reshape(-1)
+
+
+def _unpack(fmt: QuantFormat, data: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+    N, K = shape
+    if data.size != fmt.nbytes(shape):
+        raise InfengError(f"{fmt.name}: {data.size} bytes, a [{N}, {K}] matrix takes {fmt.nbytes(shape)}")
+    kp, ng, R = fmt.padded_k(K), fmt.groups(K), ROWS_PER_BLOCK
+    n_blocks = _round_up(N, R) // R
+    blocks = data.reshape(n_blocks, fmt.block_bytes(K))
+    n_code = R * kp * fmt.bits // 8
+    raw = blocks[:, :n_code]
+    if fmt.kind == "fp8":
+        codes = raw.reshape(n_blocks, kp, R).transpose(0, 2, 1)
+    elif fmt.bits == 8:
+        codes = raw.reshape(n_blocks, kp // 2, R, 2).transpose(0, 2, 1, 3) ^ np.uint8(0x80)
+    else:
+        octs = raw.reshape(n_blocks, kp // 8, R, 4).transpose(0, 2, 1, 3)
+        codes = np.stack([octs & 0xF, octs >> 4], axis=3)
+    codes = np.ascontiguousarray(codes.reshape(n_blocks * R, kp)[:N])
+    n_scale = R * ng * fmt.scale_dtype.itemsize
+    scales = blocks[:, n_code:n_code + n_scale].copy().view(fmt.scale_dtype)
+    scales = np.ascontiguousarray(scales.reshape(n_blocks, ng, R).transpose(0, 2, 1).reshape(-1, ng)[:N])
+    zeros = None
+    if fmt.asym:
+        z = blocks[:, n_code + n_scale:n_code + n_scale + R * ng]
+        zeros = np.ascontiguousarray(z.reshape(n_blocks, ng, R).transpose(0, 2, 1).reshape(-1, ng)[:N])
+    return QuantizedTensor(fmt.name, shape, codes, scales, zeros)

@@ -1,0 +1,132 @@
+"""Choosing codes and scales: round-to-nearest with a per-group clipping search.
+
+For every group (every row for the per-row formats) a grid of candidate scales is tried, each
+rounded to the scale's storage dtype first (so the error measured is the error stored), and the
+candidate with the smallest error wins:
+
+- without calibration, the squared weight error ``|w - ŵ|²``;
+- with calibration, the output error ``(w - ŵ)ᵀ C (w - ŵ)`` where ``C = XᵀX`` over the
+  calibration activations that reach the group (``C`` per group of K; its diagonal for the
+  per-row formats, whose full K x K form would cost K times more).
+
+Candidates: symmetric int4 tries the scale that maps the group's extreme value to code -8 (the
+llama.cpp Q4_0 choice, which uses all 16 levels) and the one that maps |max| to +7, each shrunk
+by every clip ratio; int8 shrinks |max|/127; asymmetric int4 shrinks [min, max] towards zero by
+the same ratio on both sides; fp8 shrinks |max|/448.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import QuantFormat, QuantizedTensor, e4m3_decode, e4m3_encode, get_format
+
+#: Clip ratios tried by the search (1.0 = plain round-to-nearest of the full range).
+CLIP_RATIOS = tuple(float(r) for r in np.round(np.linspace(1.0, 0.5, 21), 3))
+
+
+def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
+             gram: np.ndarray | None = None, ratios: tuple[float, ...] = CLIP_RATIOS) -> QuantizedTensor:
+    """Quantize ``w`` [N, K] (float32) to ``fmt``.
+
+    ``search`` False: one candidate, the full range (round-to-nearest). ``gram``: ``XᵀX`` [K, K]
+    of the calibration activations (or its diagonal [K]); the search then minimises output error.
+    """
+    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize expects a matrix, got shape {w.shape}")
+    N, K = w.shape
+    kp = fmt.padded_k(K)
+    wp = np.zeros((N, kp), np.float32)
+    wp[:, :K] = w
+    G = kp if fmt.group == 0 else fmt.group
+    ng = kp // G
+    wg = wp.reshape(N, ng, G)
+    weight = _error_weights(gram, K, kp, G, ng, fmt)
+    ratios = ratios if search else (1.0,)
+
+    best_err = np.full((N, ng), np.inf)
+    best_codes = np.zeros((N, ng, G), np.uint8)
+    best_scales = np.zeros((N, ng), fmt.scale_dtype)
+    best_zeros = np.zeros((N, ng), np.uint8) if fmt.asym else None
+    for codes, scales, zeros, deq in _candidates(wg, fmt, ratios):
+        d = (wg - deq).astype(np.float64)
+        if weight is None:
+            err = (d * d).sum(axis=2)
+        elif weight.ndim == 2:                                   # diagonal [ng, G]
+            err = (d * d * weight[None]).sum(axis=2)
+        else:                                                    # full per group [ng, G, G]
+            err = np.einsum("ngk,gkl,ngl->ng", d, weight, d, optimize=True)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_codes = np.where(better[..., None], codes, best_codes)
+        best_scales = np.where(better, scales, best_scales)
+        if fmt.asym:
+            best_zeros = np.where(better, zeros, best_zeros)
+    codes = best_codes.reshape(N, kp)
+    if fmt.kind == "int":                                       # padding columns hold the zero point
+        pad_zero = fmt.zero if not fmt.asym else np.repeat(best_zeros, G, axis=1)[:, K:]
+        codes[:, K:] = pad_zero
+    else:
+        codes[:, K:] = 0
+    return QuantizedTensor(fmt.name, (N, K), codes, best_scales.astype(fmt.scale_dtype), best_zeros)
+
+
+def _error_weights(gram: np.ndarray | None, K: int, kp: int, G: int, ng: int, fmt: QuantFormat):
+    if gram is None:
+        return None
+    gram = np.asarray(gram, dtype=np.float64)
+    if gram.ndim == 1 or fmt.group == 0:
+        diag = np.diag(gram) if gram.ndim == 2 else gram
+        full = np.zeros(kp)
+        full[:K] = diag
+        return full.reshape(ng, G)
+    full = np.zeros((kp, kp))
+    full[:K, :K] = gram
+    idx = np.arange(ng)
+    blocks = full.reshape(ng, G, ng, G)[idx, :, idx, :]              # [ng, G, G]
+    return blocks
+
+
+def _to_scale(s: np.ndarray, fmt: QuantFormat) -> np.ndarray:
+    """Round candidate scales to the storage dtype."""
+    return s.astype(fmt.scale_dtype)
+
+
+def _candidates(wg: np.ndarray, fmt: QuantFormat, ratios: tuple[float, ...]):
+    """Yield (codes uint8 [N,ng,G], scales [N,ng] storage dtype, zeros or None, dequantized f32)."""
+    amax = np.abs(wg).max(axis=2)
+    if fmt.kind == "fp8":
+        for r in ratios:
+            s = _to_scale(amax * np.float32(r) / np.float32(448.0), fmt)
+            sf = s.astype(np.float32)
+            safe = np.where(sf == 0, np.float32(1), sf)
+            codes = e4m3_encode(wg / safe[..., None])
+            codes = np.where(sf[..., None] == 0, np.uint8(0), codes)
+            yield codes, s, None, e4m3_decode(codes) * sf[..., None]
+        return
+    if fmt.asym:
+        wmin, wmax = wg.min(axis=2), wg.max(axis=2)
+        for r in ratios:
+            lo, hi = np.minimum(wmin * np.float32(r), 0), np.maximum(wmax * np.float32(r), 0)
+            s = _to_scale((hi - lo) / np.float32(fmt.umax), fmt)
+            sf = s.astype(np.float32)
+            safe = np.where(sf == 0, np.float32(1), sf)
+            z = np.clip(np.rint(-lo / safe), 0, fmt.umax)
+            u = np.clip(np.rint(wg / safe[..., None]) + z[..., None], 0, fmt.umax)
+            yield (u.astype(np.uint8), s, z.astype(np.uint8),
+                   ((u - z[..., None]) * sf[..., None]).astype(np.float32))
+        return
+    bases = [amax / np.float32(fmt.qmax)]
+    if fmt.bits == 4:
+        idx = np.abs(wg).argmax(axis=2)[..., None]
+        extreme = np.take_along_axis(wg, idx, axis=2)[..., 0]
+        bases.insert(0, -extreme / np.float32(-fmt.qmin))           # the extreme maps to code -8
+    for base in bases:
+        for r in ratios:
+            s = _to_scale(base * np.float32(r), fmt)
+            sf = s.astype(np.float32)
+            safe = np.where(sf == 0, np.float32(1), sf)
+            q = np.clip(np.rint(wg / safe[..., None]), fmt.qmin, fmt.qmax)
+            q = np.where(sf[..., None] == 0, 0, q)
+            yield ((q + fmt.zero).astype(np.uint8), s, None, (q * sf[..., None]).astype(np.float32))

@@ -3,9 +3,10 @@
 Prints one JSON line per result. First the machine's read bandwidth, measured here with a plain
 vector-sum over 512 MiB using the same thread pool, and the pool's cost per ``ife_parallel_for``;
 then each linear kernel with its GB/s (weight bytes streamed per second), GFLOP/s and
-``roofline`` = GB/s / measured read bandwidth. Decode shapes rotate over enough copies of the
-weights to exceed the last-level cache, so every call streams from DRAM as it does in a real
-decode step. Every figure is the best of repeated samples (other processes only add time).
+``roofline`` = GB/s / measured read bandwidth. The weights live in a file mapped the way model.c
+maps weights.bin; decode shapes (T=1) rotate over all the copies 512 MiB holds, so every call
+streams from DRAM as in a real decode step. Every figure is the best over ``--rounds`` passes of
+repeated samples: on a shared machine other processes only ever add time.
 
     python bench/kernels.py                       # native ISA, 1 and 2 threads
     python bench/kernels.py --isa avx2 --threads 2 --csv out.csv
@@ -14,9 +15,15 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
+import math
+import os
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import cffi
 import numpy as np
@@ -25,7 +32,7 @@ from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources
 from infeng_compiler.codegen.target import get_target
 
-#: Bytes of weights each timed pass covers (well past any last-level cache).
+#: Bytes of weights each decode pass streams (well past any last-level cache).
 STREAM_BYTES = 512 << 20
 DECODE_SHAPES = [(576, 1536), (1536, 576), (576, 49152), (2048, 8192)]   # (K, N): smollm135 mlp / logits, llama1b
 PREFILL_SHAPES = [(576, 1536), (2048, 8192)]
@@ -108,14 +115,26 @@ def timed(fn, min_seconds: float) -> float:
     return min(times)
 
 
-def weights_for(wdtype: str, K: int, N: int, copies: int, rng: np.random.Generator) -> list[np.ndarray]:
-    dtype = np.float32 if wdtype == "f32" else np.uint16
-    one = rng.standard_normal((N, K), dtype=np.float32)
-    if wdtype == "f16":
-        one = one.astype(np.float16).view(np.uint16)
-    elif wdtype == "bf16":
-        one = (one.view(np.uint32) >> 16).astype(np.uint16)
-    return [one.astype(dtype, copy=True) for _ in range(copies)]
+def mapped_weights(path: str, dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
+    """STREAM_BYTES of weights written to ``path`` and mapped back, as model.c maps weights.bin
+    (shared file mapping, page-cache pages): f32 values, or f16 bit patterns (valid as bf16 too)."""
+    n = STREAM_BYTES // dtype.itemsize
+    values = rng.standard_normal(n, dtype=np.float32)
+    data = values if dtype == np.float32 else values.astype(np.float16).view(np.uint16)
+    data.tofile(path)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+@dataclass
+class Case:
+    """One timed configuration; ``run`` does one pass over ``copies`` weight matrices."""
+
+    row: dict
+    run: Callable[[], None]
+    copies: int
+    bytes_per_copy: int
+    flops_per_copy: float
+    best: float = math.inf
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,68 +142,84 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--isa", default="native")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--wdtypes", default=",".join(WDTYPES))
-    ap.add_argument("--seconds", type=float, default=1.0, help="minimum timing per result")
+    ap.add_argument("--shapes", help="comma-separated KxN filter, e.g. 576x1536,576x49152")
+    ap.add_argument("--seconds", type=float, default=0.5, help="minimum timing per result and round")
+    ap.add_argument("--rounds", type=int, default=3, help="passes over all results; each keeps its best")
     ap.add_argument("--csv", help="also write the results to this CSV file")
     args = ap.parse_args(argv)
     isa = get_target(args.isa, for_running=True).name
     wdtypes = args.wdtypes.split(",")
-    shapes = sorted(set(DECODE_SHAPES) | set(PREFILL_SHAPES))
+    wanted = {tuple(map(int, s.split("x"))) for s in args.shapes.split(",")} if args.shapes else None
+    shapes = [s for s in sorted(set(DECODE_SHAPES) | set(PREFILL_SHAPES)) if wanted is None or s in wanted]
     specs = {(K, N, wd): KernelSpec.make("linear", isa, K=K, N=N, wdtype=wd) for K, N in shapes for wd in wdtypes}
     ffi, lib = build(isa, list(specs.values()))
     rng = np.random.default_rng(0)
-    rows: list[dict] = []
 
-    def emit(row: dict) -> None:
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-
-    def fptr(a: np.ndarray, ctype: str = "float *"):
+    def ptr(a: np.ndarray, ctype: str = "float *"):
         return ffi.cast(ctype, ffi.from_buffer(a))
 
-    probe = np.ones(STREAM_BYTES // 4, dtype=np.float32)
-    bandwidth: dict[int, float] = {}
-    for threads in map(int, args.threads.split(",")):
-        pool = lib.ife_pool_create(threads)
+    cases: list[Case] = []
+    with tempfile.TemporaryDirectory(prefix="infeng-bench-") as tmp:
+        data = {"f32": mapped_weights(os.path.join(tmp, "f32.bin"), np.dtype(np.float32), rng),
+                "u16": mapped_weights(os.path.join(tmp, "u16.bin"), np.dtype(np.uint16), rng)}
+        pools = {threads: lib.ife_pool_create(threads) for threads in map(int, args.threads.split(","))}
         try:
-            seconds = timed(lambda: lib.ife_bench_read(pool, fptr(probe), probe.size // 16), args.seconds)
-            bandwidth[threads] = probe.nbytes / seconds / 1e9
-            emit({"kernel": "read_probe", "shape": f"{probe.nbytes >> 20}MiB", "T": 0, "threads": threads,
-                  "isa": isa, "GB/s": round(bandwidth[threads], 2)})
-            pool_ns = min(lib.ife_bench_pool(pool, POOL_CALLS) for _ in range(5))
-            emit({"kernel": "parallel_for", "shape": "empty job", "T": 0, "threads": threads, "isa": isa,
-                  "us": round(pool_ns / 1e3, 3)})
-            for (K, N, wd), spec in specs.items():
-                fn = getattr(lib, spec.symbol)
-                ctype = "float *" if wd == "f32" else "uint16_t *"
-                per_copy = N * K * (4 if wd == "f32" else 2)
-                for T, shape_list in ((1, DECODE_SHAPES), (512, PREFILL_SHAPES)):
-                    if (K, N) not in shape_list:
-                        continue
-                    copies = max(2, -(-STREAM_BYTES // per_copy)) if T == 1 else 1
-                    arrays = weights_for(wd, K, N, copies, rng)         # kept alive while timed
-                    ws = [fptr(w, ctype) for w in arrays]
-                    x = rng.standard_normal((T, K), dtype=np.float32)
-                    y = np.empty((T, N), dtype=np.float32)
-                    xp, yp = fptr(x), fptr(y)
-
-                    def run_pass() -> None:
-                        for w in ws:
-                            fn(pool, xp, T, w, ffi.NULL, yp)
-
-                    seconds = timed(run_pass, args.seconds) / copies
-                    gbs = per_copy / seconds / 1e9
-                    emit({"kernel": spec.symbol, "shape": f"K={K},N={N}", "wdtype": wd, "T": T, "threads": threads,
-                          "isa": isa, "us": round(seconds * 1e6, 2), "GB/s": round(gbs, 2),
-                          "GFLOP/s": round(2.0 * T * K * N / seconds / 1e9, 2),
-                          "roofline": round(gbs / bandwidth[threads], 3) if T == 1 else None})
+            for threads, pool in pools.items():
+                common = {"threads": threads, "isa": isa}
+                probe = data["f32"]
+                cases.append(Case({"kernel": "read_probe", "shape": f"{probe.nbytes >> 20}MiB", "T": 0, **common},
+                                  functools.partial(lib.ife_bench_read, pool, ptr(probe), probe.size // 16),
+                                  1, probe.nbytes, 0.0))
+                cases.append(Case({"kernel": "parallel_for", "shape": "empty job", "T": 0, **common},
+                                  functools.partial(lib.ife_bench_pool, pool, POOL_CALLS), POOL_CALLS, 0, 0.0))
+                for (K, N, wd), spec in specs.items():
+                    flat = data["f32" if wd == "f32" else "u16"]
+                    ctype = "float *" if wd == "f32" else "uint16_t *"
+                    per_copy = N * K * flat.itemsize
+                    for T, shape_list in ((1, DECODE_SHAPES), (512, PREFILL_SHAPES)):
+                        if (K, N) not in shape_list:
+                            continue
+                        # decode streams every copy the file holds; prefill reuses one (compute-bound)
+                        copies = max(1, STREAM_BYTES // per_copy) if T == 1 else 1
+                        ws = [ptr(flat[i * N * K:(i + 1) * N * K], ctype) for i in range(copies)]
+                        x = rng.standard_normal((T, K), dtype=np.float32)
+                        y = np.empty((T, N), dtype=np.float32)
+                        cases.append(Case({"kernel": spec.symbol, "shape": f"K={K},N={N}", "wdtype": wd, "T": T, **common},
+                                          functools.partial(run_linear, getattr(lib, spec.symbol), pool, ptr(x), T, ws,
+                                                            ptr(y), ffi.NULL, (x, y)),
+                                          copies, per_copy, 2.0 * T * K * N))
+            for _ in range(args.rounds):
+                for case in cases:
+                    case.best = min(case.best, timed(case.run, args.seconds))
         finally:
-            lib.ife_pool_destroy(pool)
+            for pool in pools.values():
+                lib.ife_pool_destroy(pool)
+
+    bandwidth = {c.row["threads"]: c.bytes_per_copy / c.best / 1e9 for c in cases if c.row["kernel"] == "read_probe"}
+    rows = []
+    for case in cases:
+        per_call = case.best / case.copies
+        row = dict(case.row, us=round(per_call * 1e6, 3))
+        if case.bytes_per_copy:
+            row["GB/s"] = round(case.bytes_per_copy / per_call / 1e9, 2)
+        if case.flops_per_copy:
+            row["GFLOP/s"] = round(case.flops_per_copy / per_call / 1e9, 2)
+        if row["T"] == 1:
+            row["roofline"] = round(row["GB/s"] / bandwidth[row["threads"]], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
             writer.writeheader()
             writer.writerows(rows)
     return 0
+
+
+def run_linear(fn, pool, x, T: int, weights: list, y, bias, keep_alive: tuple) -> None:
+    """One linear call per weight copy (``keep_alive`` holds the arrays behind the pointers)."""
+    for w in weights:
+        fn(pool, x, T, w, bias, y)
 
 
 if __name__ == "__main__":

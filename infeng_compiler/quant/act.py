@@ -55,3 +55,47 @@ def fake_quant(x: np.ndarray, block: int = ACT_BLOCK, bits: int = 8) -> np.ndarr
     q, d, _ = quantize_act(x, block, bits)
     deq = q.reshape(T, d.shape[1], -1).astype(np.float32) * d[..., None]
     return np.ascontiguousarray(deq.reshape(T, -1)[:, :K], dtype=np.float32)
+
+
+#: Activation rows are padded to a multiple of this many elements (zeros): every weight format's
+#: padded K (whole groups of up to 128) fits in the row.
+ACT_ROW_PAD = 128
+
+
+def act_row_layout(K: int, bits: int) -> dict[str, int]:
+    """Byte layout of one token's quantized row, as ``quantize_act`` kernels write it and the
+    integer ``linear`` kernels read it (64-byte aligned rows):
+
+    - bits 8: int8 codes [kp], float32 scales [kp/32] at ``d_offset``, int32 sums [kp/32] at
+      ``sum_offset``;
+    - bits 16: int16 codes [kp], one float32 scale at ``d_offset``.
+    """
+    kp = -(-K // ACT_ROW_PAD) * ACT_ROW_PAD
+    if bits == 8:
+        blocks = kp // ACT_BLOCK
+        d_offset, sum_offset = kp, kp + 4 * blocks
+        end = sum_offset + 4 * blocks
+    elif bits == 16:
+        blocks = 1
+        d_offset = sum_offset = 2 * kp
+        end = d_offset + 4
+    else:
+        raise ValueError(f"activation bits must be 8 or 16, got {bits}")
+    return {"kp": kp, "blocks": blocks, "d_offset": d_offset, "sum_offset": sum_offset,
+            "row_bytes": -(-end // 64) * 64}
+
+
+def pack_act_rows(x: np.ndarray, bits: int) -> np.ndarray:
+    """The bytes ``quantize_act`` kernels write for ``x`` [T, K]: uint8 [T, row_bytes] (tests)."""
+    T, K = x.shape
+    lay = act_row_layout(K, bits)
+    q, d, sums = quantize_act(x, ACT_FORMS[bits], bits)
+    out = np.zeros((T, lay["row_bytes"]), np.uint8)
+    codes = np.zeros((T, lay["kp"]), q.dtype)
+    codes[:, :q.shape[1]] = q
+    out[:, :codes.itemsize * lay["kp"]] = codes.view(np.uint8)
+    out[:, lay["d_offset"]:lay["d_offset"] + 4 * lay["blocks"]] = np.pad(d, ((0, 0), (0, lay["blocks"] - d.shape[1]))).astype(np.float32).view(np.uint8)
+    if bits == 8:
+        s = np.pad(sums, ((0, 0), (0, lay["blocks"] - sums.shape[1]))).astype(np.int32)
+        out[:, lay["sum_offset"]:lay["sum_offset"] + 4 * lay["blocks"]] = s.view(np.uint8)
+    return out

@@ -1,0 +1,111 @@
+"""Kernels of the quantized path, registered in the kernel table (``kernels.OPS``) on import.
+
+| op | what | templates |
+| --- | --- | --- |
+| ``quantize_act`` | f32 rows -> int8 blocks of 32 (scales, sums) or int16 rows (one scale) | scalar, avx2, avx512 |
+| ``linear_q4`` | int4 weights (q4gG, q4gGa) x int8 activations (``vpdpbusd``) | scalar, avx2, avx512 |
+| ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``) | scalar, avx2, avx512 |
+| ``linear_f8`` | fp8 e4m3 weights x f32 activations (widened through f16 in registers) | scalar, avx2, avx512 |
+| ``embedding_q`` | rows of a quantized table, dequantized | scalar |
+
+The avx512 templates use VNNI when the target has it (``avx512-vnni`` and above: ``__AVX512VNNI__``)
+and the AVX-512BW multiply-add pairs otherwise; the avx2 templates use AVX-VNNI under
+``__AVXVNNI__`` (target ``avx2-vnni``) and AVX2 multiply-add pairs otherwise. Weight and
+activation byte layouts: ``quant/formats.py`` and ``quant/act.py`` (docs/quantization.md).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..quant.act import ACT_FORMS, act_row_layout
+from ..quant.formats import ROWS_PER_BLOCK, get_format, is_quantized
+from .kernels import OPS, _all, _expect, _OpKernel, _positive
+
+#: Micro-tile of the integer and fp8 linear kernels: token rows x blocks of 16 weight rows. The
+#: accumulators (TT x RB int32 and f32 vectors), the unpacked weights and the broadcasts fit the
+#: 32 AVX-512 registers; AVX2 splits a block of 16 rows into two 8-lane halves (RB = 1).
+_TILES = {"scalar": (1, 1), "avx2": (4, 1), "avx512": (4, 2)}
+_INT4 = ("q4g32", "q4g64", "q4g128", "q4g32a", "q4g64a", "q4g128a")
+_INT8 = ("q8r", "q8g32", "q8g64", "q8g128")
+
+
+def _check_format(allowed: tuple[str, ...]):
+    def check(p: dict[str, Any]) -> None:
+        _expect(p["wformat"] in allowed, f"kernel for weight formats {', '.join(allowed)}, got {p['wformat']!r}")
+    return check
+
+
+def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
+    fmt = get_format(p["wformat"])
+    K, N = p["K"], p["N"]
+    kp, ng = fmt.padded_k(K), fmt.groups(K)
+    codes = ROWS_PER_BLOCK * kp * fmt.bits // 8
+    tt, rb = _TILES[isa]
+    plan = {"kp": kp, "group": fmt.group, "ng": ng, "asym": fmt.asym, "zero": fmt.zero if fmt.kind == "int" else 0,
+            "block_bytes": fmt.block_bytes(K), "codes_bytes": codes, "scales_offset": codes,
+            "zeros_offset": codes + ROWS_PER_BLOCK * ng * fmt.scale_dtype.itemsize,
+            "n_blocks": -(-N // ROWS_PER_BLOCK), "tt": tt, "rb": rb}
+    if fmt.kind == "int":
+        bits = 8 if fmt.bits == 4 else 16
+        lay = act_row_layout(K, bits)
+        plan.update(act_bits=bits, act_kp=lay["kp"], act_row_bytes=lay["row_bytes"], act_d_offset=lay["d_offset"],
+                    act_sum_offset=lay["sum_offset"],
+                    # int8 x int16 products summed in int32: at most 256 k per partial sum
+                    chunk=fmt.group or 256)
+    return plan
+
+
+def _quantize_act_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
+    lay = act_row_layout(p["K"], p["bits"])
+    return {"kp": lay["kp"], "blocks": lay["blocks"], "row_bytes": lay["row_bytes"], "d_offset": lay["d_offset"],
+            "sum_offset": lay["sum_offset"], "qmax": (1 << (p["bits"] - 1)) - 1}
+
+
+def _check_act(p: dict[str, Any]) -> None:
+    _positive("K")(p)
+    _expect(p["bits"] in ACT_FORMS and p["block"] == ACT_FORMS[p["bits"]],
+            f"quantize_act: (bits, block) must be one of {sorted(ACT_FORMS.items())}, got ({p['bits']}, {p['block']})")
+
+
+_LINEAR_PROTO = ("void {sym}(ife_pool *pool, const void *x /* [T, %s] */, int T, "
+                 "const uint8_t *w /* packed [N/16 blocks] */, const float *bias /* [N] or NULL */, float *y /* [T, N] */)")
+
+OPS.update({
+    "quantize_act": _OpKernel(
+        ("K", "bits", "block"),
+        "void {sym}(const float *x /* [T, K] */, int T, uint8_t *out /* [T, row bytes] */)",
+        ("scalar", "avx2", "avx512"),
+        lambda p: [f"k{p['K']}", f"b{p['bits']}"], _check_act, _quantize_act_plan),
+    "linear_q4": _OpKernel(
+        ("K", "N", "wformat"), _LINEAR_PROTO % "int8 activation rows", ("scalar", "avx2", "avx512"),
+        lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
+        _all(_positive("K", "N"), _check_format(_INT4)), _weight_plan),
+    "linear_q8": _OpKernel(
+        ("K", "N", "wformat"), _LINEAR_PROTO % "int16 activation rows", ("scalar", "avx2", "avx512"),
+        lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
+        _all(_positive("K", "N"), _check_format(_INT8)), _weight_plan),
+    "linear_f8": _OpKernel(
+        ("K", "N", "wformat"), (_LINEAR_PROTO % "K").replace("const void *x", "const float *x"),
+        ("scalar", "avx2", "avx512"),
+        lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
+        _all(_positive("K", "N"), _check_format(("f8e4m3",))), _weight_plan),
+    "embedding_q": _OpKernel(
+        ("V", "H", "wformat"),
+        "void {sym}(const int32_t *ids /* [T] */, int T, const uint8_t *table /* packed [V/16 blocks] */, "
+        "float *out /* [T, H] */)",
+        ("scalar",),
+        lambda p: [p["wformat"], f"v{p['V']}", f"h{p['H']}"],
+        _all(_positive("V", "H"), _check_format(_INT4 + _INT8 + ("f8e4m3",))),
+        lambda p, isa: _weight_plan({"K": p["H"], "N": p["V"], "wformat": p["wformat"]}, isa)),
+})
+
+
+def linear_op(weight_format: str) -> str | None:
+    """The linear kernel op of a weight format (None for the float formats)."""
+    if not is_quantized(weight_format):
+        return None
+    if weight_format in _INT4:
+        return "linear_q4"
+    if weight_format in _INT8:
+        return "linear_q8"
+    return "linear_f8"

@@ -1,0 +1,165 @@
+"""Quantized kernels, every format x every ISA this host runs, against the dequantize-then-f32
+numpy reference: activation quantization bit-exact with quant/act.py; the integer and fp8 linear
+kernels within F32_TOL of fake_quant(x) @ dequantize(W)^T (the integer dot products are exact,
+only the float accumulation order differs); quantized embedding rows exactly equal to the
+dequantized table rows. One library per ISA, built once per session (cached on disk by build.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import cffi
+import numpy as np
+import pytest
+
+import infeng_compiler.codegen.quant_kernels  # noqa: F401  (registers the kernels)
+from infeng_compiler.codegen.build import build_library
+from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
+from infeng_compiler.codegen.quant_kernels import linear_op
+from infeng_compiler.codegen.target import TARGETS, host_features
+from infeng_compiler.quant.act import act_row_layout, fake_quant, pack_act_rows
+from infeng_compiler.quant.formats import QUANT_FORMATS, get_format
+from infeng_compiler.quant.search import quantize
+
+HOST = host_features()
+RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(HOST)]
+COMPILE_ONLY = [t.name for t in TARGETS.values() if t.name not in RUNNABLE]
+POOL_THREADS = 3
+F32_TOL = 1e-5                 # max abs error / max |reference|
+
+# (K, N): K below, at and above a group; K not a multiple of 32 (padded formats) and of 16 rows
+LINEAR_SHAPES = [(64, 40), (172, 33), (576, 96), (1100, 20)]
+TOKENS = [1, 2, 3, 5, 17]
+ACT_CASES = [(64, 8), (172, 8), (70, 16), (576, 16), (3, 8)]
+
+
+def fits(fmt_name: str, K: int) -> bool:
+    """Shapes a format takes in these tests (groups larger than K only where K is one group)."""
+    fmt = get_format(fmt_name)
+    return fmt.group <= max(K, 32) or fmt.group == 0
+
+
+def grid_specs(isa: str) -> list[KernelSpec]:
+    specs = [KernelSpec.make("quantize_act", isa, K=K, bits=b, block=32 if b == 8 else 0) for K, b in ACT_CASES]
+    for name in QUANT_FORMATS:
+        for K, N in LINEAR_SHAPES:
+            if fits(name, K):
+                specs.append(KernelSpec.make(linear_op(name), isa, K=K, N=N, wformat=name))
+        specs.append(KernelSpec.make("embedding_q", isa, V=37, H=64, wformat=name))
+    return specs
+
+
+class QuantLib:
+    def __init__(self, isa: str):
+        self.isa = isa
+        self.target = TARGETS[isa]
+        specs = grid_specs(isa)
+        sources, baseline = library_sources(specs, self.target)
+        self.build = build_library(sources, self.target, baseline_sources=baseline)
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(cdef(specs))
+        self.lib = self.ffi.dlopen(str(self.build.path))
+        self.pool = self.ffi.gc(self.lib.ife_pool_create(POOL_THREADS), self.lib.ife_pool_destroy)
+
+    def fn(self, spec: KernelSpec):
+        return getattr(self.lib, spec.symbol)
+
+    def ptr(self, array: np.ndarray | None, ctype: str):
+        if array is None:
+            return self.ffi.NULL
+        assert array.flags.c_contiguous
+        return self.ffi.cast(ctype, self.ffi.from_buffer(array))
+
+
+@functools.cache
+def quant_lib(isa: str) -> QuantLib:
+    return QuantLib(isa)
+
+
+@pytest.fixture(scope="session", params=RUNNABLE)
+def qlib(request) -> QuantLib:
+    return quant_lib(request.param)
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    scale = float(np.max(np.abs(ref))) or 1.0
+    return float(np.max(np.abs(got.astype(np.float64) - ref.astype(np.float64)))) / scale
+
+
+def test_every_isa_has_a_template_path() -> None:
+    for isa in TARGETS:
+        for op in ("quantize_act", "linear_q4", "linear_q8", "linear_f8"):
+            spec = KernelSpec.make(op, isa, **({"K": 64, "bits": 8, "block": 32} if op == "quantize_act" else
+                                               {"K": 64, "N": 16, "wformat": {"linear_q4": "q4g32", "linear_q8": "q8r",
+                                                                              "linear_f8": "f8e4m3"}[op]}))
+            expect = "scalar" if isa == "scalar" else ("avx2" if isa.startswith("avx2") else "avx512")
+            assert template_isa(spec) == expect, (op, isa)
+
+
+@pytest.mark.parametrize("K,bits", ACT_CASES)
+def test_quantize_act_bit_exact(qlib: QuantLib, K: int, bits: int) -> None:
+    spec = KernelSpec.make("quantize_act", qlib.isa, K=K, bits=bits, block=32 if bits == 8 else 0)
+    rng = np.random.default_rng(K + bits)
+    for T in TOKENS:
+        x = (rng.standard_normal((T, K)) * rng.uniform(0.01, 30, size=(T, 1))).astype(np.float32)
+        x[0, :] = 0.0 if T > 2 else x[0, :]                                      # an all-zero row
+        x[-1, K // 2] = 300.0                                                     # an outlier
+        out = np.zeros((T, act_row_layout(K, bits)["row_bytes"]), np.uint8)
+        qlib.fn(spec)(qlib.ptr(x, "float *"), T, qlib.ptr(out, "uint8_t *"))
+        assert np.array_equal(out, pack_act_rows(x, bits)), (qlib.isa, K, bits, T)
+
+
+def _linear_case(name: str, K: int, N: int, seed: int):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((N, K)) * 0.1).astype(np.float32)
+    w[:, 3] *= 6                                                                  # an outlier column
+    qt = quantize(w, name, search=False)
+    bias = rng.standard_normal(N).astype(np.float32) if seed % 2 else None
+    return qt, bias
+
+
+@pytest.mark.parametrize("name", QUANT_FORMATS)
+def test_linear_matches_dequantized_reference(qlib: QuantLib, name: str) -> None:
+    fmt = get_format(name)
+    for K, N in LINEAR_SHAPES:
+        if not fits(name, K):
+            continue
+        spec = KernelSpec.make(linear_op(name), qlib.isa, K=K, N=N, wformat=name)
+        qt, bias = _linear_case(name, K, N, K + N)
+        packed = qt.pack()
+        wdeq = qt.dequantize().astype(np.float64)
+        rng = np.random.default_rng(K * N)
+        for T in TOKENS:
+            x = (rng.standard_normal((T, K)) * 2).astype(np.float32)
+            if fmt.kind == "int":
+                bits = 8 if fmt.bits == 4 else 16
+                xin, xref = pack_act_rows(x, bits), fake_quant(x, 32 if bits == 8 else 0, bits)
+                xptr = qlib.ptr(xin, "void *")
+            else:
+                xref = x
+                xptr = qlib.ptr(x, "float *")
+            ref = xref.astype(np.float64) @ wdeq.T + (0 if bias is None else bias)
+            y = np.full((T, N), np.nan, np.float32)
+            qlib.fn(spec)(qlib.pool, xptr, T, qlib.ptr(packed, "uint8_t *"), qlib.ptr(bias, "float *"),
+                          qlib.ptr(y, "float *"))
+            assert rel_err(y, ref) <= F32_TOL, (qlib.isa, name, K, N, T, rel_err(y, ref))
+
+
+@pytest.mark.parametrize("name", QUANT_FORMATS)
+def test_embedding_rows_exact(qlib: QuantLib, name: str) -> None:
+    spec = KernelSpec.make("embedding_q", qlib.isa, V=37, H=64, wformat=name)
+    qt = quantize(np.random.default_rng(9).standard_normal((37, 64)).astype(np.float32), name, search=False)
+    ids = np.array([0, 36, 17, 16, 15, -1, 40], np.int32)
+    out = np.full((len(ids), 64), np.nan, np.float32)
+    packed = qt.pack()                                  # kept alive across the call
+    qlib.fn(spec)(qlib.ptr(ids, "int32_t *"), len(ids), qlib.ptr(packed, "uint8_t *"), qlib.ptr(out, "float *"))
+    table = qt.dequantize()
+    assert np.array_equal(out[:5], table[ids[:5]]) and not out[5:].any()
+
+
+@pytest.mark.parametrize("isa", COMPILE_ONLY)
+def test_compile_only_targets_build(isa: str) -> None:
+    """Targets this host cannot run (AVX-VNNI, AMX) still compile every quantized kernel."""
+    specs = grid_specs(isa)
+    sources, baseline = library_sources(specs, TARGETS[isa])
+    assert build_library(sources, TARGETS[isa], baseline_sources=baseline).path.is_file()

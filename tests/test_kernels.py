@@ -42,6 +42,7 @@ ATTENTION_CASES = [  # (n_heads, n_kv_heads, head_dim, block_size, window)
     (4, 2, 64, 16, 0),
     (3, 3, 40, 4, 0),
     (6, 2, 24, 8, 5),
+    (2, 1, 32, 32, 0),      # MQA; a block holds two vectors of scores
 ]
 COPY_CASES = [(1728, 576, 576), (10, 3, 5)]
 

@@ -13,7 +13,11 @@ from typing import Any
 from ..errors import UnsupportedError
 from ..ir import Graph, Node, Value, Weight
 from ..ir.ops import rope_inv_freq
+from ..quant.act import act_row_layout
+from ..quant.formats import get_format, is_quantized
+from . import quant_kernels  # noqa: F401  (registers the quantized kernels)
 from .kernels import KernelSpec
+from .quant_kernels import linear_op
 from .target import Target
 
 WEIGHT_ALIGN = 64
@@ -62,6 +66,13 @@ class LoweredModel:
     arena_floats_per_row: int               # arena floats per token row
     constants: dict[str, Any] = field(default_factory=dict)
     profile: list[ProfileEntry] = field(default_factory=list)   # one per IR node, in order
+
+
+def weight_nbytes(w: Weight) -> int:
+    """Bytes of a weight in weights.bin: its quantized layout, or its elements in f32/f16/bf16."""
+    if is_quantized(w.format):
+        return get_format(w.format).nbytes(tuple(w.type.shape))
+    return w.type.numel() * (4 if w.format == "f32" else 2)
 
 
 def align(n: int, to: int = WEIGHT_ALIGN) -> int:
@@ -113,11 +124,11 @@ class _Lowering:
     def weight(self, w: Weight) -> str:
         """C expression for a weight pointer, allocating it in weights.bin on first use."""
         if w.name not in self.weight_slots:
-            nbytes = w.type.numel() * (4 if w.format == "f32" else 2)
+            nbytes = weight_nbytes(w)
             self.weight_slots[w.name] = WeightSlot(w.name, w.format, tuple(w.type.shape), self.weights_top, nbytes)
             self.weights_top = align(self.weights_top + nbytes)
         slot = self.weight_slots[w.name]
-        ctype = "float" if slot.format == "f32" else "uint16_t"
+        ctype = "float" if slot.format == "f32" else "uint8_t" if is_quantized(slot.format) else "uint16_t"
         return f"(const {ctype} *)(weights + {slot.offset})"
 
     def buf(self, v: Value) -> str:
@@ -135,9 +146,12 @@ class _Lowering:
         from ..ir.printer import format_node
 
         last_use: dict[str, int] = {}
+        self.producers, self.users = self.g.producers(), self.g.users()
         for i, n in enumerate(self.g.nodes):
             for v in n.inputs:
                 last_use[v.name] = i
+                if self.quantized_from(v) is not None:    # logits/LoRA read the f32 rows too
+                    last_use[self.quantized_from(v).name] = i
         graph_inputs = {v.name for v in self.g.inputs}
         unknown = graph_inputs - {"tokens", "positions", "adapter_slots"}
         if unknown:
@@ -151,11 +165,11 @@ class _Lowering:
             for v in n.outputs:
                 if n.op == "logits":
                     continue
-                self.slice[v.name] = self.slice[alias.name] if alias is not None else self.arena.take(self.width(v))
+                self.slice[v.name] = self.slice[alias.name] if alias is not None else self.arena.take(self.floats(v))
             getattr(self, f"lower_{n.op}", self.unsupported)(n, comment)
             for v in n.inputs:
                 if last_use.get(v.name) == i and v.name not in graph_inputs and v is not alias:
-                    self.arena.give(self.slice[v.name], self.width(v))
+                    self.arena.give(self.slice[v.name], self.floats(v))
         c = self.g.meta
         attn = [n for n in self.g.nodes if n.op == "attention"]
         return LoweredModel(
@@ -168,11 +182,23 @@ class _Lowering:
              "lora_slots": self.lora_shape[0], "lora_rank": self.lora_shape[1], "lora_sites": self.lora_sites},
             profile)
 
+    def floats(self, v: Value) -> int:
+        """Arena floats per token row of ``v``: its width, or a quantized activation row's bytes / 4."""
+        p = self.producers.get(v.name)
+        if p is not None and p.op == "quantize_act":
+            return act_row_layout(self.width(v), p.attrs["bits"])["row_bytes"] // 4
+        return self.width(v)
+
+    def quantized_from(self, v: Value) -> Value | None:
+        """The f32 value ``v`` quantizes, when a ``quantize_act`` produces ``v``."""
+        p = self.producers.get(v.name)
+        return p.inputs[0] if p is not None and p.op == "quantize_act" else None
+
     @staticmethod
     def profile_entry(n: Node) -> ProfileEntry:
-        weight_bytes = sum(w.type.numel() * (4 if w.format == "f32" else 2) for w in n.weights)
+        weight_bytes = sum(weight_nbytes(w) for w in n.weights)
         if n.op == "embedding":
-            weight_bytes = n.weights[0].type.shape[1] * (4 if n.weights[0].format == "f32" else 2)
+            weight_bytes = weight_nbytes(n.weights[0]) // n.weights[0].type.shape[0]
         flops = 2 * n.weights[0].type.numel() if n.op in ("linear", "logits") else 0
         return ProfileEntry(n.outputs[0].name, n.op, weight_bytes, flops)
 
@@ -192,7 +218,10 @@ class _Lowering:
     def lower_embedding(self, n: Node, comment: str) -> None:
         table = n.weights[0]
         ids = "tokens" if n.inputs[0].name == "tokens" else "positions"
-        spec = self.spec("embedding", V=table.type.shape[0], H=table.type.shape[1], wdtype=table.format)
+        if is_quantized(table.format):
+            spec = self.spec("embedding_q", V=table.type.shape[0], H=table.type.shape[1], wformat=table.format)
+        else:
+            spec = self.spec("embedding", V=table.type.shape[0], H=table.type.shape[1], wdtype=table.format)
         self.emit(spec, [ids, "T", self.weight(table), self.buf(n.output)], comment)
 
     def lower_rms_norm(self, n: Node, comment: str) -> None:
@@ -206,9 +235,31 @@ class _Lowering:
 
     def lower_linear(self, n: Node, comment: str) -> None:
         w = n.weights[0]
-        spec = self.spec("linear", K=w.type.shape[1], N=w.type.shape[0], wdtype=w.format)
         bias = self.weight(n.weights[1]) if len(n.weights) > 1 else "NULL"
-        self.emit(spec, ["pool", self.buf(n.inputs[0]), "T", self.weight(w), bias, self.buf(n.output)], comment)
+        x = self.buf(n.inputs[0])
+        op = linear_op(w.format)
+        if op is None:
+            spec = self.spec("linear", K=w.type.shape[1], N=w.type.shape[0], wdtype=w.format)
+        else:
+            spec = self.spec(op, K=w.type.shape[1], N=w.type.shape[0], wformat=w.format)
+            x = self.quantized_rows(n.inputs[0], w.format, comment) if op != "linear_f8" else x
+        self.emit(spec, ["pool", x, "T", self.weight(w), bias, self.buf(n.output)], comment)
+
+    def quantized_rows(self, v: Value, weight_format: str, comment: str) -> str:
+        """The quantized activation rows ``v`` holds for an integer weight of ``weight_format``."""
+        p = self.producers.get(v.name)
+        bits = 8 if get_format(weight_format).bits == 4 else 16
+        if p is None or p.op != "quantize_act" or p.attrs["bits"] != bits:
+            raise UnsupportedError(f"{weight_format} weights read int{bits} activation rows from a quantize_act "
+                                   f"node (the quantize pass inserts them); got %{v.name} ({comment})")
+        return f"(const void *){self.buf(v)}"
+
+    def lower_quantize_act(self, n: Node, comment: str) -> None:
+        users = self.users.get(n.output.name, [])
+        if users and all(u.op == "logits" for u in users):
+            return                                       # logits quantize only the rows they gather
+        spec = self.spec("quantize_act", K=self.width(n.inputs[0]), bits=n.attrs["bits"], block=n.attrs["block"])
+        self.emit(spec, [self.buf(n.inputs[0]), "T", f"(uint8_t *){self.buf(n.output)}"], comment)
 
     def lower_lora_linear(self, n: Node, comment: str) -> None:
         """The base product, then each token's adapter delta from its slot (``lora_apply``)."""
@@ -219,7 +270,8 @@ class _Lowering:
         self.lora_shape = (a["max_adapters"], a["max_rank"])
         spec = self.spec("lora_apply", K=w.type.shape[1], N=w.type.shape[0], R=a["max_rank"],
                          slots=a["max_adapters"])
-        self.emit(spec, [self.buf(n.inputs[0]), "T", "adapter_slots", f"m->lora_rank[{site}]",
+        x = self.quantized_from(n.inputs[0]) or n.inputs[0]    # adapters read the f32 rows
+        self.emit(spec, [self.buf(x), "T", "adapter_slots", f"m->lora_rank[{site}]",
                          f"m->lora_scale[{site}]", f"m->lora_a[{site}]", f"m->lora_bt[{site}]", self.buf(n.output)],
                   comment + "  [adapter deltas]", guard="adapter_slots")
 
@@ -227,11 +279,29 @@ class _Lowering:
         w = n.weights[0]
         hidden = w.type.shape[1]
         rows = self.arena.take(hidden)
+        source = self.quantized_from(n.inputs[0]) or n.inputs[0]
         gather = self.spec("gather_rows", H=hidden)
-        self.emit(gather, [self.buf(n.inputs[0]), "logits_rows", "R", f"(arena + {rows} * IFE_MAX_TOKENS)"],
+        self.emit(gather, [self.buf(source), "logits_rows", "R", f"(arena + {rows} * IFE_MAX_TOKENS)"],
                   comment + "  [rows that want logits]", guard="R > 0")
-        spec = self.spec("linear", K=hidden, N=w.type.shape[0], wdtype=w.format)
-        self.emit(spec, ["pool", f"(arena + {rows} * IFE_MAX_TOKENS)", "R", self.weight(w), "NULL", "logits"], comment, guard="R > 0")
+        x = f"(arena + {rows} * IFE_MAX_TOKENS)"
+        op = linear_op(w.format)
+        if op is None:
+            spec = self.spec("linear", K=hidden, N=w.type.shape[0], wdtype=w.format)
+        else:
+            spec = self.spec(op, K=hidden, N=w.type.shape[0], wformat=w.format)
+        qrows = None
+        if op in ("linear_q4", "linear_q8"):
+            self.quantized_rows(n.inputs[0], w.format, comment)           # checks the activation form
+            q = self.producers[n.inputs[0].name]
+            qfloats = act_row_layout(hidden, q.attrs["bits"])["row_bytes"] // 4
+            qrows = self.arena.take(qfloats)
+            quant = self.spec("quantize_act", K=hidden, bits=q.attrs["bits"], block=q.attrs["block"])
+            self.emit(quant, [x, "R", f"(uint8_t *)(arena + {qrows} * IFE_MAX_TOKENS)"],
+                      comment + "  [quantize those rows]", guard="R > 0")
+            x = f"(const void *)(arena + {qrows} * IFE_MAX_TOKENS)"
+        self.emit(spec, ["pool", x, "R", self.weight(w), "NULL", "logits"], comment, guard="R > 0")
+        if qrows is not None:
+            self.arena.give(qrows, qfloats)
         self.arena.give(rows, hidden)
 
     def lower_rope(self, n: Node, comment: str) -> None:

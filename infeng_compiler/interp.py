@@ -16,32 +16,37 @@ from .ir.ops import get as get_op
 
 
 class KVStore:
-    """K/V rows per (layer, sequence), indexed by position; grows on demand."""
+    """Rows per (layer, sequence), indexed by position; grows on demand.
+
+    Each write stores named arrays of rows: ``k`` and ``v`` always (what the cache holds, already
+    rounded through its format), plus any extra copy a KV format keeps (``recent_k``/``recent_v``:
+    the f16 window of a quantized cache, docs/kv-cache.md)."""
 
     def __init__(self) -> None:
-        self._k: dict[tuple[int, int], np.ndarray] = {}
-        self._v: dict[tuple[int, int], np.ndarray] = {}
+        self._rows: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
-    def write(self, layer: int, seq: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        key = (layer, seq)
+    def write(self, layer: int, seq: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray,
+              **extra: np.ndarray) -> None:
+        stores = self._rows.setdefault((layer, seq), {})
         need = int(positions.max()) + 1
-        if key not in self._k or self._k[key].shape[0] < need:
-            cap = max(need, 2 * (self._k[key].shape[0] if key in self._k else 16))
-            for store, new in ((self._k, k), (self._v, v)):
+        for name, new in {"k": k, "v": v, **extra}.items():
+            old = stores.get(name)
+            if old is None or old.shape[0] < need:
+                cap = max(need, 2 * (old.shape[0] if old is not None else 16))
                 grown = np.zeros((cap,) + new.shape[1:], dtype=np.float32)
-                if key in store:
-                    grown[: store[key].shape[0]] = store[key]
-                store[key] = grown
-        self._k[key][positions] = k
-        self._v[key][positions] = v
+                if old is not None:
+                    grown[: old.shape[0]] = old
+                stores[name] = old = grown
+            old[positions] = new
 
-    def read(self, layer: int, seq: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._k[(layer, seq)][:length], self._v[(layer, seq)][:length]
+    def read(self, layer: int, seq: int, length: int, *names: str) -> tuple[np.ndarray, ...]:
+        """The first ``length`` rows of ``names`` (default ``k``, ``v``)."""
+        stores = self._rows[(layer, seq)]
+        return tuple(stores[name][:length] for name in (names or ("k", "v")))
 
     def drop(self, seq: int) -> None:
-        for store in (self._k, self._v):
-            for key in [k for k in store if k[1] == seq]:
-                del store[key]
+        for key in [k for k in self._rows if k[1] == seq]:
+            del self._rows[key]
 
 
 @dataclass

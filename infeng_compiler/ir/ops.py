@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import IRError, UnsupportedError
+from ..errors import InfengError, IRError, UnsupportedError
 from .types import TensorType
 
 #: A shape rule returns the result types, or None where they depend on operand *values* (primitive
@@ -315,6 +315,11 @@ def _rope_ref(ins, ws, attrs, step):
 
 # ---------------------------------------------------------------------------------------------
 # attention
+#: Optional attributes of ``attention`` that describe its KV cache (set by the ``kv-format`` and
+#: ``fht-kv`` passes; absent means f32 K and V, no rotation, no f16 window). See docs/kv-cache.md.
+KV_ATTRS = ("k_format", "v_format", "kv_group", "rotate_qk", "kv_window")
+
+
 @op("attention", inputs=("q", "k", "v", "positions"),
     attrs=("layer", "n_heads", "n_kv_heads", "head_dim", "scale"))
 def _attention_shape(ins, ws, attrs):
@@ -322,12 +327,31 @@ def _attention_shape(ins, ws, attrs):
 
     The new K/V rows are appended to the cache of layer ``layer`` at their positions first; then
     every query attends to the positions <= its own (and > own - ``window`` when set).
+
+    KV cache attributes (optional): ``k_format``/``v_format`` (f32, f16, int8, int4: what a row
+    becomes when written), ``kv_group`` (int4 values per scale), ``rotate_qk`` (q and k rotated
+    per head by the normalised Walsh-Hadamard transform before k is stored; scores unchanged in
+    exact arithmetic), ``kv_window`` (the last ``kv_window`` positions before each query are read
+    from an f16 copy instead of the int8/int4 store).
     """
     q, k, v = ins[:3]
     h, kvh, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
     _expect(q.shape[-1] == h * hd, f"attention: q {q} is not {h} heads of {hd}")
     _expect(k.shape[-1] == kvh * hd and v.shape[-1] == kvh * hd, f"attention: k {k} / v {v} not {kvh} heads of {hd}")
     _expect(h % kvh == 0, f"attention: {h} query heads not a multiple of {kvh} KV heads")
+    if any(a in attrs for a in KV_ATTRS):
+        from ..quant.kv import attention_kv_formats, check_format, is_power_of_two
+
+        kf, vf, group = attention_kv_formats(attrs)
+        try:
+            check_format(kf, hd, group, "attention k_format")
+            check_format(vf, hd, group, "attention v_format")
+        except InfengError as e:
+            raise IRError(str(e)) from None
+        _expect(not attrs.get("rotate_qk") or is_power_of_two(hd),
+                f"attention: rotate_qk needs a power-of-two head_dim, got {hd}")
+        window = attrs.get("kv_window", 0)
+        _expect(isinstance(window, int) and window >= 0, f"attention: kv_window must be an int >= 0, got {window!r}")
     return [q]
 
 
@@ -338,20 +362,52 @@ def _attention_ref(ins, ws, attrs, step):
     window = attrs.get("window")
     layer = attrs["layer"]
     T = q.shape[0]
+    kv_cache = any(a in attrs for a in KV_ATTRS)
+    recent = 0
+    if kv_cache:     # store what the attention_kvq kernels store (docs/kv-cache.md)
+        from ..quant.kv import QUANTIZED, attention_kv_formats, fht_heads, round_f16, store_rows
+
+        kf, vf, group = attention_kv_formats(attrs)
+        if attrs.get("rotate_qk"):
+            q, k = fht_heads(q, h, hd), fht_heads(k, kvh, hd)
+        k3, v3 = k.reshape(-1, kvh, hd), v.reshape(-1, kvh, hd)
+        stored_k, stored_v = store_rows(k3, kf, group), store_rows(v3, vf, group)
+        recent = attrs.get("kv_window", 0) if (kf in QUANTIZED or vf in QUANTIZED) else 0
+        if recent:       # the f16 copy of the last kv_window positions (quantized formats only)
+            recent_k = round_f16(k3) if kf in QUANTIZED else stored_k
+            recent_v = round_f16(v3) if vf in QUANTIZED else stored_v
     for s in np.unique(step.seq_ids):
         rows = np.nonzero(step.seq_ids == s)[0]
-        step.kv.write(layer, int(s), pos[rows], k[rows].reshape(-1, kvh, hd), v[rows].reshape(-1, kvh, hd))
+        if not kv_cache:
+            step.kv.write(layer, int(s), pos[rows], k[rows].reshape(-1, kvh, hd), v[rows].reshape(-1, kvh, hd))
+        elif recent:
+            step.kv.write(layer, int(s), pos[rows], stored_k[rows], stored_v[rows],
+                          recent_k=recent_k[rows], recent_v=recent_v[rows])
+        else:
+            step.kv.write(layer, int(s), pos[rows], stored_k[rows], stored_v[rows])
     out = np.empty((T, h, hd), dtype=np.float32)
     group = h // kvh
+
+    def heads_last(K):          # [L, kvh, hd] -> [h, hd, L]
+        return np.ascontiguousarray(np.repeat(K, group, axis=1).transpose(1, 2, 0), dtype=np.float64)
+
+    def heads_rows(V):          # [L, kvh, hd] -> [h, L, hd]
+        return np.ascontiguousarray(np.repeat(V, group, axis=1).transpose(1, 0, 2), dtype=np.float64)
+
     for s in np.unique(step.seq_ids):
         rows = np.nonzero(step.seq_ids == s)[0]
         p = pos[rows]
-        K, V = step.kv.read(layer, int(s), int(p.max()) + 1)                  # [L, kvh, hd]
-        K = np.ascontiguousarray(np.repeat(K, group, axis=1).transpose(1, 2, 0), dtype=np.float64)  # [h,hd,L]
-        V = np.ascontiguousarray(np.repeat(V, group, axis=1).transpose(1, 0, 2), dtype=np.float64)  # [h,L,hd]
+        length = int(p.max()) + 1
+        K, V = step.kv.read(layer, int(s), length)                             # [L, kvh, hd]
+        K, V = heads_last(K), heads_rows(V)
         qs = np.ascontiguousarray(q[rows].reshape(-1, h, hd).transpose(1, 0, 2), dtype=np.float64)  # [h,t,hd]
         scores = (qs @ K) * attrs["scale"]                                      # [h, t, L]
         j = np.arange(K.shape[-1])
+        if recent:       # positions p - kv_window < j <= p come from the f16 copy
+            Kr, Vr = (heads_last(x) if i == 0 else heads_rows(x)
+                      for i, x in enumerate(step.kv.read(layer, int(s), length, "recent_k", "recent_v")))
+            in_recent = (j[None, :] > p[:, None] - recent)[None]               # [1, t, L]
+            scores = np.where(in_recent, (qs @ Kr) * attrs["scale"], scores)
         allowed = j[None, :] <= p[:, None]
         if window:
             allowed &= j[None, :] > p[:, None] - window
@@ -359,7 +415,10 @@ def _attention_ref(ins, ws, attrs, step):
         scores -= scores.max(axis=-1, keepdims=True)
         prob = np.exp(scores)
         prob /= prob.sum(axis=-1, keepdims=True)
-        out[rows] = (prob @ V).transpose(1, 0, 2)
+        if recent:
+            out[rows] = (np.where(in_recent, 0.0, prob) @ V + np.where(in_recent, prob, 0.0) @ Vr).transpose(1, 0, 2)
+        else:
+            out[rows] = (prob @ V).transpose(1, 0, 2)
     return [out.reshape(T, h * hd)]
 
 

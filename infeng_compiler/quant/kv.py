@@ -1,0 +1,183 @@
+"""KV cache formats: what one K or V row of one head becomes when it is written to the cache.
+
+The numpy side of ``docs/kv-cache.md``. The attention op's reference (``ir/ops.py``) calls these
+to store exactly what the ``attention_kvq`` kernels store, and codegen takes the block sizes from
+here, so the interpreter, the kernels and the library's KV pool agree on one definition.
+
+Formats (per token, per KV head, a row of ``head_dim`` values):
+
+- ``f32``: as computed.
+- ``f16``: rounded to IEEE half (round to nearest even).
+- ``int8``: one f16 scale per row, ``s = f16(max|x| / 127)``, codes ``clip(rint(x / s), -127, 127)``.
+- ``int4``: one f16 scale per group of ``group`` values, ``s = f16(max|x| / 7)``, codes in
+  ``[-7, 7]`` stored as the nibble ``code + 8``.
+
+Every step is float32 arithmetic the C kernels repeat bit for bit (an IEEE division, rint, the f16
+conversion), so codes agree exactly when the inputs do. ``fht`` is the normalised fast
+Walsh-Hadamard transform in the butterfly order the kernels use (stages h = 1, 2, 4, ...), again
+bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import InfengError
+
+KV_FORMATS = ("f32", "f16", "int8", "int4")
+QUANTIZED = ("int8", "int4")
+QMAX = {"int8": 127, "int4": 7}
+DEFAULT_GROUP = 32                   # int4 values per scale (or head_dim, when smaller)
+F16_MAX = 65504.0
+SCALE_BYTES = 2                      # scales are f16
+BLOCK_ALIGN = 64                     # every layer's K (and V) block starts 64-byte aligned
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def default_group(head_dim: int) -> int:
+    return min(DEFAULT_GROUP, head_dim)
+
+
+def check_format(fmt: str, head_dim: int, group: int | None, where: str = "kv format") -> None:
+    """Raise InfengError unless ``fmt`` (with ``group`` for int4) can store rows of ``head_dim``."""
+    if fmt not in KV_FORMATS:
+        raise InfengError(f"{where}: unknown KV format {fmt!r} (known: {', '.join(KV_FORMATS)})")
+    if fmt == "int4":
+        if head_dim % 2:
+            raise InfengError(f"{where}: int4 KV needs an even head_dim, got {head_dim}")
+        if not group or group % 2 or head_dim % group:
+            raise InfengError(f"{where}: int4 group {group} must be even and divide head_dim {head_dim}")
+
+
+def groups_per_row(fmt: str, head_dim: int, group: int | None) -> int:
+    """Scales per (token, head): 1 for int8, head_dim / group for int4, 0 for float formats."""
+    return {"int8": 1, "int4": head_dim // (group or head_dim)}.get(fmt, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the Hadamard rotation
+def hadamard(n: int) -> np.ndarray:
+    """The normalised Walsh-Hadamard matrix H / sqrt(n) (Sylvester order), float64. Symmetric and
+    orthogonal: its own inverse."""
+    if not is_power_of_two(n):
+        raise InfengError(f"the Walsh-Hadamard rotation needs a power-of-two size, got {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / math.sqrt(n)
+
+
+def fht_norm(n: int) -> np.float32:
+    """The normalisation 1/sqrt(n) as the kernels hold it (a float32 constant)."""
+    return np.float32(1.0 / math.sqrt(n))
+
+
+def fht(x: np.ndarray) -> np.ndarray:
+    """Normalised fast Walsh-Hadamard transform over the last axis, float32 butterflies in the
+    kernels' order (h = 1, 2, 4, ...: x[i], x[i+h] -> x[i] + x[i+h], x[i] - x[i+h]), then one
+    multiplication by 1/sqrt(n). Equals ``x @ hadamard(n)`` up to float32 rounding."""
+    n = x.shape[-1]
+    if not is_power_of_two(n):
+        raise InfengError(f"the Walsh-Hadamard rotation needs a power-of-two size, got {n}")
+    lead = x.shape[:-1]
+    y = np.array(x, dtype=np.float32).reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.reshape(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = np.stack([a + b, a - b], axis=2)
+        h *= 2
+    return (y.reshape(*lead, n) * fht_norm(n)).astype(np.float32)
+
+
+def fht_heads(x: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
+    """``fht`` of every head of rows [T, n_heads * head_dim]."""
+    return fht(x.reshape(-1, n_heads, head_dim)).reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# formats
+def round_f16(x: np.ndarray) -> np.ndarray:
+    """float32 -> f16 (round to nearest even, overflow to inf) -> float32."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+
+
+def quantize(x: np.ndarray, fmt: str, group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(codes int8 [..., d], scales float32 (f16 values) [..., d / group]) of rows ``x`` [..., d]."""
+    x = np.asarray(x, dtype=np.float32)
+    d = x.shape[-1]
+    g = d if fmt == "int8" else (group or d)
+    qmax = np.float32(QMAX[fmt])
+    xg = x.reshape(*x.shape[:-1], d // g, g)
+    amax = np.abs(xg).max(axis=-1)
+    scale = round_f16(np.minimum(amax / qmax, np.float32(F16_MAX)))
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    codes = np.clip(np.rint(xg / safe[..., None]), -qmax, qmax)
+    codes = np.where(scale[..., None] > 0, codes, 0).astype(np.int8)
+    return codes.reshape(x.shape), scale
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray, fmt: str, group: int | None = None) -> np.ndarray:
+    d = codes.shape[-1]
+    g = d if fmt == "int8" else (group or d)
+    cg = codes.reshape(*codes.shape[:-1], d // g, g).astype(np.float32)
+    return (cg * scales[..., None]).reshape(codes.shape).astype(np.float32)
+
+
+def store_rows(x: np.ndarray, fmt: str, group: int | None = None) -> np.ndarray:
+    """What the cache holds for rows ``x`` [..., head_dim], read back as float32."""
+    if fmt == "f32":
+        return np.asarray(x, dtype=np.float32)
+    if fmt == "f16":
+        return round_f16(x)
+    if fmt in QUANTIZED:
+        return dequantize(*quantize(x, fmt, group), fmt, group)
+    raise InfengError(f"unknown KV format {fmt!r} (known: {', '.join(KV_FORMATS)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# block layout (bytes); the C layout is described in docs/kv-cache.md and templates/kernels/attention_kvq
+def row_bytes(fmt: str, head_dim: int, group: int | None) -> int:
+    """Bytes one (token, head) row takes in a block, scales included."""
+    return {"f32": 4 * head_dim, "f16": 2 * head_dim, "int8": head_dim + SCALE_BYTES,
+            "int4": head_dim // 2 + SCALE_BYTES * groups_per_row("int4", head_dim, group)}[fmt]
+
+
+def block_bytes(fmt: str, block_size: int, n_kv_heads: int, head_dim: int, group: int | None) -> int:
+    """Bytes of one layer's K (or V) block of ``block_size`` tokens, padded to 64 bytes."""
+    n = block_size * n_kv_heads * row_bytes(fmt, head_dim, group)
+    return -(-n // BLOCK_ALIGN) * BLOCK_ALIGN
+
+
+def attention_kv_formats(attrs: dict) -> tuple[str, str, int | None]:
+    """(k_format, v_format, int4 group) of an attention node's attributes."""
+    k, v = attrs.get("k_format", "f32"), attrs.get("v_format", "f32")
+    group = attrs.get("kv_group") or (default_group(attrs["head_dim"]) if "int4" in (k, v) else None)
+    return k, v, group
+
+
+def plain_f32(attrs: dict) -> bool:
+    """True for an attention layer with the original f32 cache ([block, kv_heads, head_dim] floats,
+    the ``attention`` kernels), False for one that needs the ``attention_kvq`` kernels."""
+    k, v, _ = attention_kv_formats(attrs)
+    return (k, v) == ("f32", "f32") and not attrs.get("rotate_qk") and not attrs.get("kv_window")
+
+
+def layer_block_bytes(attrs: dict, block_size: int) -> tuple[int, int]:
+    """(K, V) bytes of one KV block of an attention layer."""
+    kvh, hd = attrs["n_kv_heads"], attrs["head_dim"]
+    if plain_f32(attrs):
+        return (block_size * kvh * hd * 4,) * 2
+    k, v, group = attention_kv_formats(attrs)
+    return block_bytes(k, block_size, kvh, hd, group), block_bytes(v, block_size, kvh, hd, group)
+
+
+def graph_kv_bytes_per_token(graph, block_size: int) -> float:
+    """KV bytes one token takes in the paged store over all layers (block padding spread)."""
+    total = sum(sum(layer_block_bytes(n.attrs, block_size)) for n in graph.nodes if n.op == "attention")
+    return total / block_size

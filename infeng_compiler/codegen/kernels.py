@@ -198,6 +198,62 @@ def _check_attention(p: dict[str, Any]) -> None:
     _expect(math.isfinite(p["scale"]) and p["scale"] > 0, f"attention scale must be positive, got {p['scale']}")
 
 
+def _check_attention_kvq(p: dict[str, Any]) -> None:
+    from ..errors import InfengError
+    from ..quant.kv import check_format, is_power_of_two
+
+    _check_attention(p)
+    hd = p["head_dim"]
+    for side in ("k_format", "v_format"):
+        try:
+            check_format(p[side], hd, p["group"] or None, f"attention_kvq {side}")
+        except InfengError as e:      # quant.kv speaks InfengError; kernels raise UnsupportedError
+            raise UnsupportedError(str(e)) from None
+    _expect(not p["rotate"] or is_power_of_two(hd), f"attention_kvq: rotation needs a power-of-two head_dim, got {hd}")
+    _expect(p["k_format"] != "int4" or p["block_size"] % 2 == 0, "attention_kvq: int4 K needs an even block_size")
+    _expect(isinstance(p["kv_window"], int) and p["kv_window"] >= 0, "attention_kvq: kv_window must be an int >= 0")
+    if p["kv_window"]:
+        _expect(p["ring_rows"] > p["kv_window"] and p["ring_rows"] % _KVQ_TILE == 0,
+                f"attention_kvq: ring_rows must exceed kv_window and be a multiple of {_KVQ_TILE}")
+
+
+#: Keys per score vector of the attention_kvq AVX-512 template, keys per work item when a token's
+#: keys are split across threads, and the work items per thread below which they are split.
+_KVQ_TILE = 16
+_KVQ_CHUNK_KEYS = 256
+_KVQ_SPLIT_BELOW = 4
+
+
+def _plan_attention_kvq(p: dict[str, Any], isa: str) -> dict[str, Any]:
+    """Block byte layout (quant/kv.py) and, for AVX-512, tiles of keys and the decode split."""
+    from ..quant.kv import block_bytes, fht_norm
+
+    B, kvh, hd = p["block_size"], p["n_kv_heads"], p["head_dim"]
+    group = p["group"] or hd
+    codes = {"f32": 4 * hd, "f16": 2 * hd, "int8": hd, "int4": hd // 2}
+    tile = _KVQ_TILE if B % _KVQ_TILE == 0 else B
+    return {"qgroup": group, "fht_norm": float(fht_norm(hd)),
+            "k_codes_bytes": B * kvh * codes[p["k_format"]], "v_codes_bytes": B * kvh * codes[p["v_format"]],
+            "k_block_bytes": block_bytes(p["k_format"], B, kvh, hd, group),
+            "v_block_bytes": block_bytes(p["v_format"], B, kvh, hd, group),
+            "tile": tile, "chunk_tiles": max(1, _KVQ_CHUNK_KEYS // tile), "split_below": _KVQ_SPLIT_BELOW}
+
+
+def _attention_kvq_variant(isa: str, p: dict[str, Any]) -> bool:
+    """The AVX-512 template covers blocks of a multiple of 16 keys (or 2, 4, 8), int4 K blocks of
+    <= 16 or a multiple of 32 keys, and int4 V heads of <= 16 (power-of-two groups) or a multiple
+    of 32 (groups a multiple of 16); other shapes use the scalar template."""
+    if isa != "avx512":
+        return True
+    B, hd, group = p["block_size"], p["head_dim"], p["group"] or p["head_dim"]
+    ok = B % _KVQ_TILE == 0 or B in (2, 4, 8)
+    if p["k_format"] == "int4":
+        ok &= B <= _KVQ_TILE or B % (2 * _KVQ_TILE) == 0
+    if p["v_format"] == "int4":
+        ok &= (hd <= _KVQ_TILE and group & (group - 1) == 0) or (hd % (2 * _KVQ_TILE) == 0 and group % _KVQ_TILE == 0)
+    return ok
+
+
 def _check_rope(p: dict[str, Any]) -> None:
     _positive("n_heads", "head_dim")(p)
     _expect(p["head_dim"] % 2 == 0, f"rope needs an even head_dim, got {p['head_dim']}")
@@ -259,6 +315,22 @@ OPS: dict[str, _OpKernel] = {
         lambda p: [f"h{p['n_heads']}", f"kv{p['n_kv_heads']}", f"d{p['head_dim']}", f"b{p['block_size']}",
                    f"s{_sym_float(p['scale'])}", f"w{p['window']}"],
         _check_attention),
+    "attention_kvq": _OpKernel(
+        ("n_heads", "n_kv_heads", "head_dim", "block_size", "scale", "window", "k_format", "v_format", "group",
+         "rotate", "kv_window", "ring_rows"),
+        "void {sym}(ife_pool *pool, const float *q /* [T, n_heads * head_dim] */, "
+        "const float *k /* [T, n_kv_heads * head_dim] */, const float *v /* [T, n_kv_heads * head_dim] */, "
+        "int T, const int32_t *pos /* [T] */, const int32_t *seq /* [T] */, "
+        "const int32_t *block_table /* [n_slots, max_blocks] */, int max_blocks, "
+        "uint8_t *k_cache /* [n_blocks, K block bytes] */, uint8_t *v_cache /* [n_blocks, V block bytes] */, "
+        "uint16_t *k_ring /* [n_slots, n_kv_heads, head_dim, ring_rows] f16, or NULL */, "
+        "uint16_t *v_ring /* [n_slots, ring_rows, n_kv_heads * head_dim] f16, or NULL */, "
+        "const int32_t *ring_lo /* [T] first position in the ring, or NULL */, float *out /* [T, n_heads * head_dim] */)",
+        ("scalar", "avx512"),
+        lambda p: [f"h{p['n_heads']}", f"kv{p['n_kv_heads']}", f"d{p['head_dim']}", f"b{p['block_size']}",
+                   f"s{_sym_float(p['scale'])}", f"w{p['window']}", f"k{p['k_format']}", f"v{p['v_format']}",
+                   f"g{p['group']}", "fht" if p["rotate"] else "nofht", f"kw{p['kv_window']}", f"ring{p['ring_rows']}"],
+        _check_attention_kvq, _plan_attention_kvq, variant_if=_attention_kvq_variant),
     "silu_mul": _OpKernel(
         ("N",),
         "void {sym}(const float *gate /* [T, N] */, const float *up /* [T, N] */, int T, float *out /* [T, N] */)",

@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import UnsupportedError
 from ..ir import Graph, Node, Value, Weight
 from ..ir.ops import rope_inv_freq
+from ..quant.kv import QUANTIZED, attention_kv_formats, layer_block_bytes, plain_f32
 from ..quant.act import act_row_layout
 from ..quant.formats import get_format, is_quantized
 from . import quant_kernels  # noqa: F401  (registers the quantized kernels)
@@ -114,6 +115,7 @@ class _Lowering:
         self.node = 0                            # index of the node being lowered
         self.lora_sites: list[dict[str, Any]] = []   # one per lora_linear node
         self.lora_shape = (0, 0)                 # (adapter slots, max rank)
+        self.kv_layers: list[dict[str, Any]] = []    # per attention layer: KV block bytes, ring sizes
 
     # -- helpers --------------------------------------------------------------------------
     def spec(self, op: str, **params: Any) -> KernelSpec:
@@ -179,7 +181,8 @@ class _Lowering:
              "hidden_size": c["hidden_size"], "n_layers": len(attn),
              "n_kv_heads": attn[0].attrs["n_kv_heads"] if attn else 0,
              "head_dim": attn[0].attrs["head_dim"] if attn else 0,
-             "lora_slots": self.lora_shape[0], "lora_rank": self.lora_shape[1], "lora_sites": self.lora_sites},
+             "lora_slots": self.lora_shape[0], "lora_rank": self.lora_shape[1], "lora_sites": self.lora_sites,
+             "kv_layers": self.kv_layers},
             profile)
 
     def floats(self, v: Value) -> int:
@@ -315,12 +318,40 @@ class _Lowering:
 
     def lower_attention(self, n: Node, comment: str) -> None:
         a = n.attrs
-        spec = self.spec("attention", n_heads=a["n_heads"], n_kv_heads=a["n_kv_heads"], head_dim=a["head_dim"],
-                         block_size=self.block_size, scale=float(a["scale"]), window=int(a.get("window") or 0))
-        q, k, v = (self.buf(x) for x in n.inputs[:3])
         layer = a["layer"]
+        k_format, v_format, group = attention_kv_formats(a)
+        ring_rows = align(a["kv_window"] + self.max_tokens, 16) if a.get("kv_window") else 0
+        self.kv_layers.append(self.kv_layer(a, k_format, v_format, ring_rows))
+        q, k, v = (self.buf(x) for x in n.inputs[:3])
+        if plain_f32(a):
+            spec = self.spec("attention", n_heads=a["n_heads"], n_kv_heads=a["n_kv_heads"], head_dim=a["head_dim"],
+                             block_size=self.block_size, scale=float(a["scale"]), window=int(a.get("window") or 0))
+            self.emit(spec, ["pool", q, k, v, "T", "positions", "seq_slots", "block_table", "max_blocks",
+                             f"m->k_cache[{layer}]", f"m->v_cache[{layer}]", self.buf(n.output)], comment)
+            return
+        # a quantized / rotated / windowed KV cache (docs/kv-cache.md)
+        spec = self.spec("attention_kvq", n_heads=a["n_heads"], n_kv_heads=a["n_kv_heads"], head_dim=a["head_dim"],
+                         block_size=self.block_size, scale=float(a["scale"]), window=int(a.get("window") or 0),
+                         k_format=k_format, v_format=v_format, group=group or 0,
+                         rotate=bool(a.get("rotate_qk")), kv_window=int(a.get("kv_window") or 0), ring_rows=ring_rows)
+        rings = self.kv_layers[-1]
         self.emit(spec, ["pool", q, k, v, "T", "positions", "seq_slots", "block_table", "max_blocks",
-                         f"m->k_cache[{layer}]", f"m->v_cache[{layer}]", self.buf(n.output)], comment)
+                         f"m->k_cache[{layer}]", f"m->v_cache[{layer}]",
+                         f"m->k_ring[{layer}]" if rings["k_ring"] else "NULL",
+                         f"m->v_ring[{layer}]" if rings["v_ring"] else "NULL",
+                         "m->ring_lo" if ring_rows else "NULL", self.buf(n.output)], comment)
+
+    def kv_layer(self, a: dict[str, Any], k_format: str, v_format: str, ring_rows: int) -> dict[str, Any]:
+        """Bytes of one KV block of this layer (K, V) and f16 ring elements per sequence slot."""
+        if a["layer"] != len(self.kv_layers):
+            raise UnsupportedError(f"attention layers must be numbered 0, 1, ... in order; found layer {a['layer']} "
+                                   f"after {len(self.kv_layers)} layers")
+        kvh, hd = a["n_kv_heads"], a["head_dim"]
+        k_bytes, v_bytes = layer_block_bytes(a, self.block_size)
+        return {"k_format": k_format, "v_format": v_format, "k_bytes": k_bytes, "v_bytes": v_bytes,
+                "ring_rows": ring_rows,
+                "k_ring": kvh * hd * ring_rows if k_format in QUANTIZED else 0,
+                "v_ring": kvh * hd * ring_rows if v_format in QUANTIZED else 0}
 
     def lower_silu_mul(self, n: Node, comment: str) -> None:
         spec = self.spec("silu_mul", N=self.width(n.output))

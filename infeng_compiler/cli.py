@@ -181,7 +181,7 @@ def eval_command(model: Path = typer.Argument(..., help="model directory"),
                             progress=lambda done, total: bar.update(task, completed=done, total=total),
                             base_step=base.step if base else None, base_free=base.free if base else None)
     used = "interp" if type(runner).__name__ == "Interpreter" else "compiled"
-    out = {**result.as_dict(), "backend": used, "model": str(model)}
+    out = {**result.as_dict(), "backend": used, "model": str(model), "kv_bytes_per_token": _kv_bytes_per_token(runner)}
     if entry:
         out["pipeline"] = f"{entry[0]}({','.join(entry[1])})"
     if kld_base:
@@ -194,6 +194,21 @@ def eval_command(model: Path = typer.Argument(..., help="model directory"),
         if result.kld is not None:
             print(f"base PPL {result.base_ppl:.4f}  drift {100 * (result.ppl / result.base_ppl - 1):+.3f}%  "
                   f"mean KLD {result.kld:.6f}  top-1 agreement {100 * result.top1:.2f}%")
+
+
+def _kv_bytes_per_token(runner) -> float:
+    """KV cache bytes one token takes over all layers: the artifact's (manifest ``kv``), or for the
+    interpreter what ``infeng compile`` would lay out (blocks of the default block size)."""
+    from .compile import DEFAULT_BLOCK_SIZE
+    from .quant.kv import graph_kv_bytes_per_token
+
+    if hasattr(runner, "manifest"):
+        kv = runner.manifest.get("kv")
+        if kv:
+            return kv["bytes_per_token"]
+        c = runner.manifest["constants"]        # artifacts from before the kv section: f32 K and V
+        return 2 * 4 * c["n_layers"] * c["n_kv_heads"] * c["head_dim"]
+    return graph_kv_bytes_per_token(runner.graph, DEFAULT_BLOCK_SIZE)
 
 
 @app.command("generate")
@@ -258,6 +273,15 @@ class DType(str, Enum):
     bf16 = "bf16"
 
 
+class KVScheme(str, Enum):
+    f32 = "f32"
+    f16 = "f16"
+    int8 = "int8"
+    int4 = "int4"
+    fht_int8 = "fht-int8"
+    fht_int4 = "fht-int4"
+
+
 @app.command("compile")
 @fails_cleanly
 def compile_command(model: Path = typer.Argument(..., help="model directory, model.safetensors or model.onnx"),
@@ -285,7 +309,11 @@ def compile_command(model: Path = typer.Argument(..., help="model directory, mod
                                                                 help="per-tensor formats (JSON, see docs/quantization.md)"),
                     calib: Optional[Path] = typer.Option(None, "--calib", help="calibration text (AWQ + clipping)"),
                     calib_max_bytes: Optional[int] = typer.Option(None, "--calib-max-bytes",
-                                                                  help="use only the first N bytes of --calib")):
+                                                                  help="use only the first N bytes of --calib"),
+                    kv: KVScheme = typer.Option(KVScheme.f32, "--kv",
+                                                help="KV cache format (fht-: Hadamard-rotated; docs/kv-cache.md)"),
+                    kv_window: int = typer.Option(0, "--kv-window",
+                                                  help="keep each sequence's last N tokens in f16 (int8/int4 --kv)")):
     """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
     from rich.table import Table
 
@@ -299,7 +327,7 @@ def compile_command(model: Path = typer.Argument(..., help="model directory, mod
                              max_tokens=max_tokens, profile=profile, lora=adapters, merge=list(merge),
                              max_adapters=max_adapters, max_rank=max_rank, lora_targets=lora_targets,
                              tokenizer=tokenizer, quant=quant.value if quant else None, quant_policy=quant_policy,
-                             calib=calib, calib_max_bytes=calib_max_bytes)
+                             calib=calib, calib_max_bytes=calib_max_bytes, kv=kv.value, kv_window=kv_window)
     with progress_bar() as bar:
         task = bar.add_task("compile", total=None)
         summary = compile_model(model, output, options,
@@ -308,6 +336,8 @@ def compile_command(model: Path = typer.Argument(..., help="model directory, mod
     table = Table(title=f"compiled {output}", show_header=False)
     table.add_row("target", summary.target)
     table.add_row("pipeline", summary.pipeline)
+    table.add_row("kv cache", f"{kv.value}" + (f", last {kv_window} tokens f16" if kv_window else "")
+                  + f", {summary.kv_bytes_per_token:g} bytes/token")
     table.add_row("weights", f"{summary.weights_bytes / 2**20:.1f} MiB")
     table.add_row("kernels rendered", str(summary.kernels))
     table.add_row("build cache", "hit" if summary.cache_hit else "miss")

@@ -18,6 +18,7 @@ from .codegen.target import get_target
 from .frontends import ONNX_PIPELINE, import_model, model_source
 from .frontends.peft import load_adapter
 from .ir import print_graph
+from .passes.kv_cache import kv_entry, kv_summary
 from .passes.manager import PassManager, PassRecord, format_pipeline, parse_pipeline
 from .passes.quantize import QuantReport, quant_layout, quantize_entry
 
@@ -45,6 +46,8 @@ class CompileOptions:
     quant_policy: Path | None = None    # per-tensor overrides (quant/policy.py)
     calib: Path | None = None           # calibration text
     calib_max_bytes: int | None = None
+    kv: str = "f32"                     # KV cache: f32, f16, int8, int4, fht-int8, fht-int4 (passes/kv_cache.py)
+    kv_window: int = 0                  # recent tokens kept in f16 next to an int8/int4 cache
 
     def pipeline(self, adapters: dict | None = None) -> list[tuple[str, list[str]]]:
         if self.passes:
@@ -56,7 +59,8 @@ class CompileOptions:
             r = self.max_rank or max([a.max_rank for a in slotted] + [16])
             entries.append(("lora-slots", [str(k), str(r)] + ([self.lora_targets] if self.lora_targets else [])))
         quantize = quantize_entry(self.quant, self.quant_policy, self.calib, self.calib_max_bytes)
-        return entries + [("cast-weights", [self.dtype])] + ([quantize] if quantize else [])
+        kv = kv_entry(self.kv, self.kv_window)
+        return entries + ([kv] if kv else []) + [("cast-weights", [self.dtype])] + ([quantize] if quantize else [])
 
 
 @dataclass
@@ -70,6 +74,7 @@ class CompileSummary:
     stages: dict[str, float] = field(default_factory=dict)
     passes: list[PassRecord] = field(default_factory=list)
     quant: QuantReport | None = None
+    kv_bytes_per_token: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -137,6 +142,7 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
             "pipeline": format_pipeline(pipeline),
             "dtype": options.dtype,
             "constants": lowered.constants,
+            "kv": kv_summary(graph, lowered.constants["kv_layers"], options.block_size),
             "weights_bytes": lowered.weights_bytes,
             "tensors": [{"name": s.name, "format": s.format, "shape": list(s.shape), "offset": s.offset,
                          "nbytes": s.nbytes, **quant_layout(graph.weights[s.name])} for s in lowered.weights],
@@ -154,4 +160,5 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return CompileSummary(out_dir, target.name, format_pipeline(pipeline), lowered.weights_bytes,
-                          len(lowered.specs), build.cache_hit, stages, manager.records, quant)
+                          len(lowered.specs), build.cache_hit, stages, manager.records, quant,
+                          manifest["kv"]["bytes_per_token"])

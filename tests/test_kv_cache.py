@@ -1,0 +1,480 @@
+"""KV cache formats, the ``kv-format`` / ``fht-kv`` passes and the ``attention_kvq`` kernels
+(docs/kv-cache.md).
+
+Tolerances, and why:
+- ``fht-kv`` at f32: the fold is the identity in exact arithmetic; what is left is float32 rounding
+  of the rotated weights: <= 1e-5 of max |logit| (the issue's bound).
+- kernels against the op's reference on the same inputs: 1e-5 of max |out|. The reference stores
+  the values the kernels store bit for bit (same FHT butterflies, f16 rounding, rint of x / scale),
+  so only the order of accumulation differs.
+- compiled model against the interpreter of the same graph: <= 2e-3 of max |logit|. The compiled
+  K/V rows differ from numpy's in the last bits (matmul order), and a value sitting on a rounding
+  boundary can round to the neighbouring int8/int4 code or f16 value; in the std-0.2 test model one
+  such flip moves logits by up to ~1e-3 (measured: 1.5e-3 worst, int8 on avx512; every other
+  format <= 2e-4). The same runs must differ from the f32 cache by at least 10x more than that,
+  so a library that did not quantize would fail.
+- perplexity: the issue's targets (drift, KL divergence, top-1 agreement) on stories260K.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import cffi
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from infeng_compiler.cli import app
+from infeng_compiler.codegen.build import build_library
+from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
+from infeng_compiler.codegen.target import TARGETS, host_features
+from infeng_compiler.compile import CompileOptions, compile_model
+from infeng_compiler.errors import InfengError
+from infeng_compiler.frontends.hf import import_hf
+from infeng_compiler.interp import Interpreter, KVStore, Step
+from infeng_compiler.ir import parse, print_graph
+from infeng_compiler.ir.ops import REGISTRY
+from infeng_compiler.passes.kv_cache import kv_entry
+from infeng_compiler.passes.manager import PassManager, parse_pipeline
+from infeng_compiler.quant import kv as kvq
+from infeng_runtime.engine import Engine
+
+RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(host_features())]
+KERNEL_TOL = 1e-5
+FOLD_TOL = 1e-5
+COMPILED_TOL = 2e-3
+
+
+def run_pipeline(graph, pipeline: str):
+    PassManager(parse_pipeline(pipeline)).run(graph)
+    return graph
+
+
+def rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+# ---------------------------------------------------------------------------------------------
+# numerics of the formats
+def test_fht_is_the_normalised_hadamard_matrix_and_its_own_inverse():
+    x = np.random.default_rng(0).standard_normal((5, 3, 64)).astype(np.float32)
+    y = kvq.fht(x)
+    np.testing.assert_allclose(y, x @ kvq.hadamard(64), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(kvq.fht(y), x, rtol=0, atol=1e-5)
+    H = kvq.hadamard(8)
+    np.testing.assert_allclose(H @ H, np.eye(8), atol=1e-12)
+    with pytest.raises(InfengError, match="power-of-two"):
+        kvq.fht(np.zeros((2, 24), np.float32))
+
+
+@pytest.mark.parametrize("fmt, group", [("int8", None), ("int4", 8), ("int4", 32)])
+def test_quantized_rows_round_to_half_a_step(fmt, group):
+    x = np.random.default_rng(1).standard_normal((50, 64)).astype(np.float32) * 3
+    x[7] = 0.0                                     # an all-zero row: scale 0, codes 0
+    codes, scales = kvq.quantize(x, fmt, group)
+    qmax = kvq.QMAX[fmt]
+    assert codes.dtype == np.int8 and np.abs(codes).max() <= qmax
+    assert np.array_equal(scales, scales.astype(np.float16).astype(np.float32))     # f16 scales
+    back = kvq.store_rows(x, fmt, group)
+    step = np.repeat(scales, 64 // scales.shape[-1], axis=-1)
+    assert np.all(np.abs(back - x) <= step / 2 + 1e-6 * np.abs(x))
+    assert not back[7].any()
+    assert kvq.row_bytes(fmt, 64, group) == {"int8": 66, "int4": 32 + 2 * 64 // (group or 64)}[fmt]
+
+
+# ---------------------------------------------------------------------------------------------
+# the passes, as text in / text out
+ONE_LAYER = """
+graph @one(%tokens: i32[T], %positions: i32[T]) {
+  meta {"family": "llama", "hidden_size": 16, "num_layers": 1, "vocab_size": 32}
+  weight @emb : f32[32,16] {inline=true}
+  weight @q : f32[16,16] {inline=true}
+  weight @k : f32[8,16] {inline=true}
+  weight @v : f32[8,16] {inline=true}
+  weight @vb : f32[8] {inline=true}
+  weight @o : f32[16,16] {inline=true}
+  %x = embedding(%tokens, @emb) : f32[T,16]
+  %q = linear(%x, @q) : f32[T,16]
+  %k = linear(%x, @k) : f32[T,8]
+  %v = linear(%x, @v, @vb) : f32[T,8]
+  %qr = rope(%q, %positions) : f32[T,16] {n_heads=4, head_dim=4, theta=10000.0}
+  %kr = rope(%k, %positions) : f32[T,8] {n_heads=2, head_dim=4, theta=10000.0}
+  %a = attention(%qr, %kr, %v, %positions) : f32[T,16] {layer=0, n_heads=4, n_kv_heads=2, head_dim=4, scale=0.5}
+  %y = linear(%a, @o) : f32[T,16]
+  %logits = logits(%y, @emb) : f32[R,32]
+  return %logits
+}
+"""
+
+
+def one_layer(text: str = ONE_LAYER):
+    rng = np.random.default_rng(3)
+    shapes = {"emb": (32, 16), "q": (16, 16), "k": (8, 16), "v": (8, 16), "vb": (8,), "o": (16, 16)}
+    return parse(text, {n: (rng.standard_normal(s) * 0.7).astype(np.float32) for n, s in shapes.items()})
+
+
+def logits_of(graph, n: int = 12) -> np.ndarray:
+    ids = np.random.default_rng(4).integers(0, 32, n)
+    return Interpreter(graph).step(ids, np.arange(n), np.zeros(n))
+
+
+def attention_line(graph) -> str:
+    return next(line for line in print_graph(graph).splitlines() if "= attention(" in line).strip()
+
+
+def test_kv_format_pass_sets_the_attributes():
+    before = one_layer()
+    after = run_pipeline(one_layer(), "kv-format(int4,int8,window=3,group=2)")
+    assert attention_line(after) == (
+        '%a = attention(%qr, %kr, %v, %positions) : f32[T,16] {layer=0, n_heads=4, n_kv_heads=2, head_dim=4, '
+        'scale=0.5, k_format="int4", v_format="int8", kv_group=2, kv_window=3}')
+    assert parse(print_graph(after), {n: w.raw() for n, w in after.weights.items()}) == after
+    # the interpreter now rounds K through int4 and V through int8, except the last 3 positions
+    assert 0 < rel(logits_of(after), logits_of(before)) < 0.5
+    # f32 with no window is the original cache
+    same = run_pipeline(one_layer(), "kv-format(f32)")
+    assert rel(logits_of(same), logits_of(before)) == 0.0
+
+
+def test_fht_kv_pass_folds_v_and_rotates_qk():
+    before = one_layer()
+    after = run_pipeline(one_layer(), "fht-kv")
+    text = print_graph(after)
+    assert "rotate_qk=true" in attention_line(after)
+    for line in ("%v = linear(%x, @v+fht, @vb+fht) : f32[T,8]", "%y = linear(%a, @o+fht) : f32[T,16]",
+                 "%q = linear(%x, @q) : f32[T,16]", "%k = linear(%x, @k) : f32[T,8]"):
+        assert line in text
+    assert "weight @v :" not in text and "weight @o :" not in text      # replaced, not kept
+    H = kvq.hadamard(4)
+    v, v_rot = before.weights["v"].raw(), after.weights["v+fht"].raw()
+    np.testing.assert_allclose(v_rot[4:], H @ v[4:], atol=1e-6)            # head 1's rows: H @ W_v
+    o, o_rot = before.weights["o"].raw(), after.weights["o+fht"].raw()
+    np.testing.assert_allclose(o_rot[:, 8:12], o[:, 8:12] @ H, atol=1e-6)  # head 2's columns: W_o @ H
+    assert rel(logits_of(after), logits_of(before)) <= FOLD_TOL
+    assert text == print_graph(run_pipeline(after, "fht-kv"))               # idempotent: rotated once
+
+
+def test_fht_kv_fold_is_exact_on_stories260k(stories_dir):
+    """The issue's bound: folding the rotation changes f32 outputs by <= 1e-5 relative."""
+    ids = np.random.default_rng(0).integers(3, 512, 96)
+    ids[0] = 1
+    want = Interpreter(import_hf(stories_dir)).step(ids, np.arange(96), np.zeros(96))
+    got = Interpreter(run_pipeline(import_hf(stories_dir), "fht-kv")).step(ids, np.arange(96), np.zeros(96))
+    assert rel(got, want) <= FOLD_TOL
+
+
+HEAD_DIM_6 = """
+graph @six(%tokens: i32[T], %positions: i32[T]) {
+  weight @emb : f32[32,12] {inline=true}
+  weight @qkv : f32[24,12] {inline=true}
+  weight @o : f32[12,12] {inline=true}
+  %x = embedding(%tokens, @emb) : f32[T,12]
+  %qkv = linear(%x, @qkv) : f32[T,24]
+  %q, %k, %v = split(%qkv) : f32[T,12], f32[T,6], f32[T,6] {sizes=[12, 6, 6]}
+  %a = attention(%q, %k, %v, %positions) : f32[T,12] {layer=0, n_heads=2, n_kv_heads=1, head_dim=6, scale=0.4}
+  %y = linear(%a, @o) : f32[T,12]
+  %logits = logits(%y, @emb) : f32[R,32]
+  return %logits
+}
+"""
+
+
+def test_fht_kv_refuses_a_head_dim_that_is_not_a_power_of_two():
+    rng = np.random.default_rng(0)
+    arrays = {n: rng.standard_normal(s).astype(np.float32) for n, s in
+              {"emb": (32, 12), "qkv": (24, 12), "o": (12, 12)}.items()}
+    with pytest.raises(InfengError, match="head_dim 6, not a power of two.*does not pad"):
+        run_pipeline(parse(HEAD_DIM_6, arrays), "fht-kv(int8)")
+    run_pipeline(parse(HEAD_DIM_6, arrays), "kv-format(int8)")      # without the rotation any head_dim works
+
+
+def test_fht_kv_folds_into_a_fused_qkv():
+    """GPT-2 style: V is a slice of one projection; only its rows rotate."""
+    text = HEAD_DIM_6.replace("24,12", "32,16").replace("f32[32,12]", "f32[32,16]").replace("@o : f32[12,12]", "@o : f32[16,16]")
+    text = (text.replace("f32[T,12]", "f32[T,16]").replace("f32[T,24]", "f32[T,32]").replace("f32[T,6]", "f32[T,8]")
+            .replace("sizes=[12, 6, 6]", "sizes=[16, 8, 8]").replace("head_dim=6", "head_dim=8"))
+    rng = np.random.default_rng(1)
+    arrays = {n: rng.standard_normal(s).astype(np.float32) for n, s in
+              {"emb": (32, 16), "qkv": (32, 16), "o": (16, 16)}.items()}
+    before = parse(text, arrays)
+    after = run_pipeline(parse(text, arrays), "fht-kv")
+    w, w_rot = before.weights["qkv"].raw(), after.weights["qkv+fht"].raw()
+    np.testing.assert_array_equal(w_rot[:24], w[:24])
+    np.testing.assert_allclose(w_rot[24:], kvq.hadamard(8) @ w[24:], atol=1e-6)
+    assert rel(logits_of(after), logits_of(before)) <= FOLD_TOL
+
+
+def test_fht_kv_refuses_lora_slots():
+    g = run_pipeline(one_layer(), "lora-slots(2,4)")
+    with pytest.raises(InfengError, match="comes from a lora_linear.*adapters are not rotated"):
+        run_pipeline(g, "fht-kv(int8)")
+
+
+@pytest.mark.parametrize("scheme, window, message", [
+    ("int3", 0, "expected one of"),
+    ("f16", 8, "has nothing to keep"),
+    ("fht-int8", -1, "must be >= 0"),
+])
+def test_kv_option_errors(scheme, window, message):
+    with pytest.raises(InfengError, match=message):
+        kv_entry(scheme, window)
+
+
+def test_kv_entries():
+    assert kv_entry("f32") is None
+    assert kv_entry("int4") == ("kv-format", ["int4"])
+    assert kv_entry("fht-int8", 32) == ("fht-kv", ["int8", "window=32"])
+    with pytest.raises(InfengError, match="unknown KV format 'int2'"):
+        run_pipeline(one_layer(), "kv-format(int2)")
+    with pytest.raises(InfengError, match="int4 group 3 must be even and divide head_dim 4"):
+        run_pipeline(one_layer(), "kv-format(int4,group=3)")
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels, every ISA of this host, against the reference
+KERNEL_CASES = [  # heads, kv heads, head_dim, block, sliding window, K, V, int4 group, rotate, f16 window
+    (4, 2, 64, 16, 0, "int8", "int8", 0, True, 0),
+    (4, 2, 64, 16, 0, "int4", "int4", 32, True, 8),
+    (9, 3, 64, 16, 0, "f16", "f16", 0, False, 0),
+    (6, 2, 32, 32, 0, "int4", "f16", 16, True, 6),
+    (8, 4, 8, 16, 0, "int4", "int4", 8, True, 4),
+    (4, 2, 16, 8, 0, "int4", "int4", 8, True, 3),
+    (3, 3, 40, 4, 0, "f32", "int8", 0, False, 0),
+    (6, 2, 24, 8, 5, "int8", "f16", 0, False, 4),
+    (4, 4, 16, 6, 0, "int8", "int4", 16, False, 5),
+]
+STEPS = [  # (slot, positions) per step: prefill, decode, mixed batches, a long chunk
+    [(0, range(0, 13))],
+    [(0, range(13, 14)), (1, range(0, 9))],
+    [(1, range(9, 10)), (0, range(14, 15)), (2, range(0, 1))],
+    [(2, range(1, 20)), (0, range(15, 16))],
+    [(0, range(16, 17)), (1, range(10, 11)), (2, range(20, 21))],
+    [(0, range(17, 18))],
+]
+MAX_STEP_TOKENS = 32
+
+
+def kernel_spec(isa: str, case) -> KernelSpec:
+    h, kvh, hd, block, window, k, v, group, rotate, kv_window = case
+    ring = -(-(kv_window + MAX_STEP_TOKENS) // 16) * 16 if kv_window else 0
+    return KernelSpec.make("attention_kvq", isa, n_heads=h, n_kv_heads=kvh, head_dim=hd, block_size=block,
+                           scale=1 / math.sqrt(hd), window=window, k_format=k, v_format=v, group=group,
+                           rotate=rotate, kv_window=kv_window, ring_rows=ring)
+
+
+@pytest.fixture(scope="module", params=RUNNABLE)
+def kvq_lib(request):
+    isa = request.param
+    specs = [kernel_spec(isa, c) for c in KERNEL_CASES]
+    sources, baseline = library_sources(specs, TARGETS[isa])
+    build = build_library(sources, TARGETS[isa], baseline_sources=baseline)
+    ffi = cffi.FFI()
+    ffi.cdef(cdef(specs))
+    lib = ffi.dlopen(str(build.path))
+    pool = ffi.gc(lib.ife_pool_create(3), lib.ife_pool_destroy)   # 3 > 2 cores: uneven, preempted ranges
+    return isa, ffi, lib, pool
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "h{}kv{}d{}b{}w{}-{}-{}-g{}{}-kw{}".format(
+    *c[:8], "-fht" if c[8] else "", c[9]))
+def test_attention_kvq_kernel(kvq_lib, case):
+    """Prefill chunks, decode steps (the split-keys path) and mixed batches over a scattered paged cache."""
+    isa, ffi, lib, pool = kvq_lib
+    h, kvh, hd, block, window, k_format, v_format, group, rotate, kv_window = case
+    spec = kernel_spec(isa, case)
+    plan = dict(spec.params)
+    attrs = {"layer": 0, "n_heads": h, "n_kv_heads": kvh, "head_dim": hd, "scale": 1 / math.sqrt(hd),
+             "window": window, "k_format": k_format, "v_format": v_format, "rotate_qk": rotate}
+    if group:
+        attrs["kv_group"] = group
+    if kv_window:
+        attrs["kv_window"] = kv_window
+    k_bytes = kvq.block_bytes(k_format, block, kvh, hd, group or None)
+    v_bytes = kvq.block_bytes(v_format, block, kvh, hd, group or None)
+    rng = np.random.default_rng(hd * block + kv_window)
+    seq_ids = {0: 11, 1: 22, 2: 33}                   # slot -> interpreter sequence
+    max_blocks = 40 // block + 1
+    n_blocks = len(seq_ids) * max_blocks + 3
+    table = rng.permutation(n_blocks)[: len(seq_ids) * max_blocks].astype(np.int32).reshape(len(seq_ids), -1)
+    k_cache = rng.integers(0, 256, n_blocks * k_bytes).astype(np.uint8)       # stale bytes, never read
+    v_cache = rng.integers(0, 256, n_blocks * v_bytes).astype(np.uint8)
+    ring = plan["ring_rows"]
+    k_ring = np.zeros(len(seq_ids) * kvh * hd * ring, np.uint16) if kv_window and k_format in kvq.QUANTIZED else None
+    v_ring = np.zeros(len(seq_ids) * kvh * hd * ring, np.uint16) if kv_window and v_format in kvq.QUANTIZED else None
+    store = KVStore()
+
+    def ptr(a, ctype="float *"):
+        return ffi.NULL if a is None else ffi.cast(ctype, ffi.from_buffer(a))
+
+    for step in STEPS:
+        slots = np.array([s for s, ps in step for _ in ps], np.int32)
+        pos = np.array([p for _, ps in step for p in ps], np.int32)
+        T = len(pos)
+        q = rng.standard_normal((T, h * hd), dtype=np.float32) * 2
+        k = rng.standard_normal((T, kvh * hd), dtype=np.float32) * 2
+        v = rng.standard_normal((T, kvh * hd), dtype=np.float32)
+        k[:, 1] *= 8                                   # an outlier channel
+        ring_lo = np.zeros(T, np.int32)               # every slot's ring holds its sequence from 0
+        ctx = Step(seq_ids=np.array([seq_ids[s] for s in slots], np.int32), logits_rows=np.arange(T), kv=store)
+        want = REGISTRY["attention"].reference([q, k, v, pos], [], attrs, ctx)[0]
+        out = np.full_like(q, np.nan)
+        getattr(lib, spec.symbol)(pool, ptr(q), ptr(k), ptr(v), T, ptr(pos, "int32_t *"), ptr(slots, "int32_t *"),
+                                  ptr(table, "int32_t *"), max_blocks, ptr(k_cache, "uint8_t *"),
+                                  ptr(v_cache, "uint8_t *"), ptr(k_ring, "uint16_t *"), ptr(v_ring, "uint16_t *"),
+                                  ptr(ring_lo, "int32_t *") if kv_window else ffi.NULL, ptr(out))
+        assert rel(out, want) <= KERNEL_TOL, f"{template_isa(spec)} step {step}: error {rel(out, want):.3g}"
+
+
+def test_rotation_is_what_the_kernels_compute(kvq_lib):
+    """The kernels really rotate: the reference without rotate_qk disagrees with them (int4 K)."""
+    isa, ffi, lib, pool = kvq_lib
+    case = KERNEL_CASES[1]
+    spec = kernel_spec(isa, case)
+    h, kvh, hd, block = case[:4]
+    attrs = {"layer": 0, "n_heads": h, "n_kv_heads": kvh, "head_dim": hd, "scale": 1 / math.sqrt(hd),
+             "k_format": "int4", "v_format": "int4", "kv_group": 32}
+    rng = np.random.default_rng(5)
+    T = 12
+    q, k, v = (rng.standard_normal((T, n * hd), dtype=np.float32) for n in (h, kvh, kvh))
+    k[:, 1] *= 8
+    table = np.arange(2, dtype=np.int32).reshape(1, 2)
+    k_cache = np.zeros(2 * kvq.block_bytes("int4", block, kvh, hd, 32), np.uint8)
+    v_cache = np.zeros_like(k_cache)
+    k_ring = np.zeros(kvh * hd * dict(spec.params)["ring_rows"], np.uint16)
+    v_ring = np.zeros_like(k_ring)
+    out = np.empty_like(q)
+    pos, slots, lo = np.arange(T, dtype=np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32)
+    c = ffi.cast
+    getattr(lib, spec.symbol)(pool, c("float *", ffi.from_buffer(q)), c("float *", ffi.from_buffer(k)),
+                              c("float *", ffi.from_buffer(v)), T, c("int32_t *", ffi.from_buffer(pos)),
+                              c("int32_t *", ffi.from_buffer(slots)), c("int32_t *", ffi.from_buffer(table)), 2,
+                              c("uint8_t *", ffi.from_buffer(k_cache)), c("uint8_t *", ffi.from_buffer(v_cache)),
+                              c("uint16_t *", ffi.from_buffer(k_ring)), c("uint16_t *", ffi.from_buffer(v_ring)),
+                              c("int32_t *", ffi.from_buffer(lo)), c("float *", ffi.from_buffer(out)))
+    unrotated = REGISTRY["attention"].reference([q, k, v, pos], [], attrs, Step(slots, np.arange(T)))[0]
+    rotated = REGISTRY["attention"].reference([q, k, v, pos], [], {**attrs, "rotate_qk": True, "kv_window": 8},
+                                              Step(slots, np.arange(T)))[0]
+    assert rel(out, rotated) <= KERNEL_TOL < rel(out, unrotated)
+
+
+# ---------------------------------------------------------------------------------------------
+# compiled models against the interpreter
+PROMPTS = [[1, 17, 33, 5, 90, 11, 7, 64, 3, 2, 100] * 3, [1, 42, 8, 19, 77] * 4]
+DECODE = [[5, 9], [77, 3], [12, 200], [41, 41], [8, 130], [66, 1]]     # fed tokens, not argmax: runs stay aligned
+
+
+def run_batch(backend) -> list[np.ndarray]:
+    lens = [len(p) for p in PROMPTS]
+    out = [backend.step(np.concatenate(PROMPTS), np.concatenate([np.arange(n) for n in lens]),
+                        np.repeat(np.arange(2), lens), np.cumsum(lens) - 1)]
+    pos = np.array(lens)
+    for tokens in DECODE:
+        out.append(backend.step(np.array(tokens), pos, np.arange(2)))
+        pos = pos + 1
+    for s in range(2):
+        backend.free(s)
+    return out
+
+
+COMPILED_CASES = [("f16", 0, "native"), ("int8", 0, "native"), ("int4", 0, "native"), ("fht-int8", 0, "native"),
+                  ("fht-int4", 0, "native"), ("fht-int4", 8, "native"), ("int8", 8, "native"),
+                  ("fht-int4", 8, "scalar"), ("int8", 0, "avx2")]
+
+
+@pytest.fixture(scope="module")
+def llama_f32(hf_checkpoint):
+    return run_batch(Interpreter(import_hf(hf_checkpoint("llama"))))
+
+
+@pytest.mark.parametrize("kv, window, target", [c for c in COMPILED_CASES if c[2] in RUNNABLE + ["native"]])
+def test_compiled_matches_interpreter(tmp_path, hf_checkpoint, llama_f32, kv, window, target):
+    model = hf_checkpoint("llama")
+    options = CompileOptions(target=target, kv=kv, kv_window=window)
+    artifact = tmp_path / f"llama-{kv}-{window}-{target}.infeng"      # one path per library (dlopen caches by path)
+    compile_model(model, artifact, options)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["kv"]["scheme"] == kv and manifest["kv"]["window"] == window
+    assert any(s.startswith("ife_attention_kvq_") for s in manifest["kernels"])
+    graph = import_hf(model)
+    PassManager(options.pipeline()).run(graph)
+    want = run_batch(Interpreter(graph))
+    got = run_batch(Engine(artifact))
+    errors = [rel(g, w) for g, w in zip(got, want)]
+    assert max(errors) <= COMPILED_TOL, errors
+    assert rel(got[0], llama_f32[0]) > 10 * errors[0]      # the format's own effect, far above the kernels'
+
+
+def test_ring_restarts_when_a_slot_changes_hands(tmp_path, hf_checkpoint):
+    """A slot reused by another sequence, or a sequence that starts after a shared prefix, must not
+    read the f16 ring rows of the slot's previous owner."""
+    artifact = tmp_path / "llama-ring.infeng"
+    compile_model(hf_checkpoint("llama"), artifact, CompileOptions(kv="fht-int8", kv_window=16))
+    rng = np.random.default_rng(9)
+    a, b = (rng.integers(3, 250, 48).astype(np.int32) for _ in range(2))
+    fresh = Engine(artifact, max_seqs=4)
+    want = fresh.step(b, np.arange(48), np.zeros(48), np.array([47]))
+    engine = Engine(artifact, max_seqs=4)
+    engine.step(a, np.arange(48), np.zeros(48), np.array([47]))     # slot 0 held a, up to position 47
+    engine.free(0)
+    got = engine.step(b, np.arange(48), np.full(48, 7), np.array([47]))   # b gets slot 0
+    np.testing.assert_array_equal(got, want)
+
+    # b's first 32 tokens come from shared blocks (prefix cache): b computes only 32..47, in a slot
+    # whose previous owner c ended exactly at position 31 (so only the block check tells them apart)
+    engine = Engine(artifact, max_seqs=4)
+    c = rng.integers(3, 250, 32).astype(np.int32)
+    engine.step(b[:32], np.arange(32), np.zeros(32), np.array([31]))        # seq 0 (slot 0): the prefix
+    engine.step(c, np.arange(32), np.ones(32), np.array([31]))              # seq 1 (slot 1): c, then freed
+    engine.free(1)
+    slot = engine.kv.slot(2)
+    assert slot == 1
+    engine.kv.ensure(2, 48)
+    engine.kv.block_table[slot, :2] = engine.kv.block_table[engine.kv.slot_of[0], :2]   # share b's prefix blocks
+    shared = engine.forward(b[32:], np.arange(32, 48, dtype=np.int32), np.full(16, slot, np.int32),
+                            np.array([15], np.int32))
+    # positions 16..31 now come from the int8 store instead of the ring: close to the full run, and
+    # far from what the stale ring of c would give
+    assert rel(shared, want) < 0.02       # measured 2e-3; 0.23 when the stale ring of c is read
+
+
+# ---------------------------------------------------------------------------------------------
+# quality: stories260K by the BENCHMARKS protocol, through `infeng eval --json`
+@pytest.fixture(scope="module")
+def stories_artifacts(tmp_path_factory, stories_dir):
+    root = tmp_path_factory.mktemp("kv-stories")
+    built = {}
+
+    def get(kv: str, window: int = 0) -> Path:
+        if (kv, window) not in built:
+            out = root / f"stories-{kv}-{window}.infeng"
+            compile_model(stories_dir, out, CompileOptions(kv=kv, kv_window=window))
+            built[kv, window] = out
+        return built[kv, window]
+
+    return get
+
+
+def eval_json(artifact: Path, base: Path, assets: Path) -> dict:
+    result = CliRunner().invoke(app, ["eval", str(artifact), "--ppl", str(assets / "text/wikitext-2-raw-v1-test.txt"),
+                                      "--max-bytes", "100000", "--ctx", "256", "--json", "--kld-base", str(base)])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_stories260k_kv_quality(stories_artifacts, assets):
+    """fht-int8 and fht-int4 with a 32-token f16 window meet the issue's drift bounds, and the rotation
+    cuts int4's KL divergence by more than 3x (without a window see docs/kv-cache.md: head_dim 8)."""
+    base = stories_artifacts("f32")
+    fht8 = eval_json(stories_artifacts("fht-int8", 32), base, assets)
+    fht4 = eval_json(stories_artifacts("fht-int4", 32), base, assets)
+    int4 = eval_json(stories_artifacts("int4", 32), base, assets)
+    assert abs(fht8["base_ppl"] - 143.13) / 143.13 <= 5e-4 and fht8["chunks"] == 247
+    assert fht8["drift"] <= 0.001 and fht8["top1"] >= 0.99
+    assert fht4["drift"] <= 0.01
+    assert 3 * fht4["kld"] <= int4["kld"]
+    # 5 layers x 4 KV heads x 8 dims: f32 1280 bytes/token; int8 rows of 8 codes + an f16 scale;
+    # int4: 4 bytes of codes + one f16 scale per group of 8
+    assert fht8["kv_bytes_per_token"] == 5 * 2 * 4 * (8 + 2)
+    assert fht4["kv_bytes_per_token"] == 5 * 2 * 4 * (4 + 2)

@@ -21,10 +21,13 @@ from ..quant.act import ACT_FORMS, act_row_layout
 from ..quant.formats import ROWS_PER_BLOCK, get_format, is_quantized
 from .kernels import OPS, _all, _expect, _OpKernel, _positive
 
-#: Micro-tile of the integer and fp8 linear kernels: token rows x blocks of 16 weight rows. The
-#: accumulators (TT x RB int32 and f32 vectors), the unpacked weights and the broadcasts fit the
-#: 32 AVX-512 registers; AVX2 splits a block of 16 rows into two 8-lane halves (RB = 1).
-_TILES = {"scalar": (1, 1), "avx2": (4, 1), "avx512": (4, 2)}
+#: Micro-tiles of the integer and fp8 linear kernels: (TT token rows, RB blocks of 16 weight rows
+#: per work item and per single-token tile, RB_MULTI blocks per tile of several token rows). The
+#: accumulators, the unpacked weights and the broadcasts fit the 32 AVX-512 registers; AVX2 splits
+#: a block of 16 rows into two 8-lane halves (RB = 1).
+_TILES = {"scalar": (1, 1, 1), "avx2": (4, 1, 1), "avx512": (4, 4, 2)}
+#: Software prefetch distance along a block of weight codes (0: none), bytes.
+PREFETCH_BYTES = 0
 _INT4 = ("q4g32", "q4g64", "q4g128", "q4g32a", "q4g64a", "q4g128a")
 _INT8 = ("q8r", "q8g32", "q8g64", "q8g128")
 
@@ -40,11 +43,11 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
     K, N = p["K"], p["N"]
     kp, ng = fmt.padded_k(K), fmt.groups(K)
     codes = ROWS_PER_BLOCK * kp * fmt.bits // 8
-    tt, rb = _TILES[isa]
+    tt, rb, rb_multi = _TILES[isa]
     plan = {"kp": kp, "group": fmt.group, "ng": ng, "asym": fmt.asym, "zero": fmt.zero if fmt.kind == "int" else 0,
             "block_bytes": fmt.block_bytes(K), "codes_bytes": codes, "scales_offset": codes,
             "zeros_offset": codes + ROWS_PER_BLOCK * ng * fmt.scale_dtype.itemsize,
-            "n_blocks": -(-N // ROWS_PER_BLOCK), "tt": tt, "rb": rb}
+            "n_blocks": -(-N // ROWS_PER_BLOCK), "tt": tt, "rb": rb, "rb_multi": rb_multi, "prefetch": PREFETCH_BYTES}
     if fmt.kind == "int":
         bits = 8 if fmt.bits == 4 else 16
         lay = act_row_layout(K, bits)

@@ -163,3 +163,12 @@ def test_compile_only_targets_build(isa: str) -> None:
     specs = grid_specs(isa)
     sources, baseline = library_sources(specs, TARGETS[isa])
     assert build_library(sources, TARGETS[isa], baseline_sources=baseline).path.is_file()
+
+
+def test_avx_vnni_is_chosen_where_the_cpu_has_it(monkeypatch) -> None:
+    from infeng_compiler.codegen.target import native_target
+
+    monkeypatch.setenv("INFENG_CPU_FEATURES", "avx2,fma,f16c,avx_vnni")
+    assert native_target().name == "avx2-vnni"
+    monkeypatch.setenv("INFENG_CPU_FEATURES", "avx2,fma,f16c")
+    assert native_target().name == "avx2"

@@ -51,6 +51,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("scalar", (), (), "portable C, no ISA extension (the reference kernels)"),
     Target("avx2", _AVX2_FLAGS, _AVX2_FEATURES,
            "AVX2 + FMA + F16C: 8-wide f32, f16 weights widened with vcvtph2ps", base="scalar"),
+    Target("avx2-vnni", _AVX2_FLAGS + ("-mavxvnni",), _AVX2_FEATURES + ("avx_vnni",),
+           "AVX2 + AVX-VNNI: the integer kernels' dot products with 8-lane vpdpbusd/vpdpwssd "
+           "(float kernels as avx2)", base="avx2"),
     Target("avx512", _AVX512_FLAGS, _AVX512_FEATURES,
            "AVX-512 F/BW/DQ/VL: 16-wide f32, mask registers for remainders", base="avx2"),
     Target("avx512-vnni", _AVX512_FLAGS + ("-mavx512vnni",), _AVX512_FEATURES + ("avx512_vnni",),
@@ -65,7 +68,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
 )}
 
 #: Runnable targets, best first: what ``native_target`` walks.
-_PREFERENCE = ("avx512-bf16", "avx512-vnni", "avx512", "avx2", "scalar")
+_PREFERENCE = ("avx512-bf16", "avx512-vnni", "avx512", "avx2-vnni", "avx2", "scalar")
 
 
 def host_features() -> frozenset[str]:

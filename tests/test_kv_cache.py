@@ -7,12 +7,13 @@ Tolerances, and why:
 - kernels against the op's reference on the same inputs: 1e-5 of max |out|. The reference stores
   the values the kernels store bit for bit (same FHT butterflies, f16 rounding, rint of x / scale),
   so only the order of accumulation differs.
-- compiled model against the interpreter of the same graph: <= 2e-3 of max |logit|. The compiled
+- compiled model against the interpreter of the same graph: <= 1e-2 of max |logit|. The compiled
   K/V rows differ from numpy's in the last bits (matmul order), and a value sitting on a rounding
-  boundary can round to the neighbouring int8/int4 code or f16 value; in the std-0.2 test model one
-  such flip moves logits by up to ~1e-3 (measured: 1.5e-3 worst, int8 on avx512; every other
-  format <= 2e-4). The same runs must differ from the f32 cache by at least 10x more than that,
-  so a library that did not quantize would fail.
+  boundary then rounds to the neighbouring int8/int4 code or f16 value. The std-0.2 test model is
+  that sensitive by itself: the interpreter moves by up to 6.8e-3 (int4), 1.9e-3 (int8), 2.4e-4
+  (f16) when its weights are perturbed by 2^-22 relative; the compiled runs measured up to 3.1e-3.
+  The step-0 error must also be 10x below the format's own effect (against the f32 cache), so a
+  library that did not quantize fails.
 - perplexity: the issue's targets (drift, KL divergence, top-1 agreement) on stories260K.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ from infeng_runtime.engine import Engine
 RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(host_features())]
 KERNEL_TOL = 1e-5
 FOLD_TOL = 1e-5
-COMPILED_TOL = 2e-3
+COMPILED_TOL = 1e-2
 
 
 def run_pipeline(graph, pipeline: str):

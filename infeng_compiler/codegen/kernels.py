@@ -210,7 +210,6 @@ def _check_attention_kvq(p: dict[str, Any]) -> None:
         except InfengError as e:      # quant.kv speaks InfengError; kernels raise UnsupportedError
             raise UnsupportedError(str(e)) from None
     _expect(not p["rotate"] or is_power_of_two(hd), f"attention_kvq: rotation needs a power-of-two head_dim, got {hd}")
-    _expect(p["k_format"] != "int4" or p["block_size"] % 2 == 0, "attention_kvq: int4 K needs an even block_size")
     _expect(isinstance(p["kv_window"], int) and p["kv_window"] >= 0, "attention_kvq: kv_window must be an int >= 0")
     if p["kv_window"]:
         _expect(p["ring_rows"] > p["kv_window"] and p["ring_rows"] % _KVQ_TILE == 0,
@@ -240,15 +239,13 @@ def _plan_attention_kvq(p: dict[str, Any], isa: str) -> dict[str, Any]:
 
 
 def _attention_kvq_variant(isa: str, p: dict[str, Any]) -> bool:
-    """The AVX-512 template covers blocks of a multiple of 16 keys (or 2, 4, 8), int4 K blocks of
-    <= 16 or a multiple of 32 keys, and int4 V heads of <= 16 (power-of-two groups) or a multiple
-    of 32 (groups a multiple of 16); other shapes use the scalar template."""
+    """The AVX-512 template covers blocks of a multiple of 16 keys (or 2, 4, 8), and int4 V heads
+    of <= 16 (power-of-two groups) or a multiple of 32 (groups a multiple of 16); other shapes use
+    the scalar template."""
     if isa != "avx512":
         return True
     B, hd, group = p["block_size"], p["head_dim"], p["group"] or p["head_dim"]
     ok = B % _KVQ_TILE == 0 or B in (2, 4, 8)
-    if p["k_format"] == "int4":
-        ok &= B <= _KVQ_TILE or B % (2 * _KVQ_TILE) == 0
     if p["v_format"] == "int4":
         ok &= (hd <= _KVQ_TILE and group & (group - 1) == 0) or (hd % (2 * _KVQ_TILE) == 0 and group % _KVQ_TILE == 0)
     return ok

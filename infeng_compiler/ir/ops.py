@@ -365,7 +365,7 @@ def _attention_ref(ins, ws, attrs, step):
     kv_cache = any(a in attrs for a in KV_ATTRS)
     recent = 0
     if kv_cache:     # store what the attention_kvq kernels store (docs/kv-cache.md)
-        from ..quant.kv import QUANTIZED, attention_kv_formats, fht_heads, round_f16, store_rows
+        from ..quant.kv import QUANTIZED, attention_kv_formats, fht_heads, quantize_query, round_f16, store_rows
 
         kf, vf, group = attention_kv_formats(attrs)
         if attrs.get("rotate_qk"):
@@ -394,20 +394,31 @@ def _attention_ref(ins, ws, attrs, step):
     def heads_rows(V):          # [L, kvh, hd] -> [h, L, hd]
         return np.ascontiguousarray(np.repeat(V, group, axis=1).transpose(1, 0, 2), dtype=np.float64)
 
+    integer_k = kv_cache and kf in QUANTIZED
+    if integer_k:    # scores against int8/int4 K use the scaled query rounded to int16 (quant/kv.py)
+        q_scaled = (q.reshape(T, h, hd) * np.float32(attrs["scale"])).astype(np.float32)
+        q_int = quantize_query(q_scaled)
+
+    def by_head(x):              # [t, h * hd] or [t, h, hd] -> [h, t, hd] float64
+        return np.ascontiguousarray(x.reshape(-1, h, hd).transpose(1, 0, 2), dtype=np.float64)
+
     for s in np.unique(step.seq_ids):
         rows = np.nonzero(step.seq_ids == s)[0]
         p = pos[rows]
         length = int(p.max()) + 1
         K, V = step.kv.read(layer, int(s), length)                             # [L, kvh, hd]
         K, V = heads_last(K), heads_rows(V)
-        qs = np.ascontiguousarray(q[rows].reshape(-1, h, hd).transpose(1, 0, 2), dtype=np.float64)  # [h,t,hd]
-        scores = (qs @ K) * attrs["scale"]                                      # [h, t, L]
+        if integer_k:
+            scores = by_head(q_int[rows]) @ K                                   # [h, t, L]
+        else:
+            scores = (by_head(q[rows]) @ K) * attrs["scale"]
         j = np.arange(K.shape[-1])
         if recent:       # positions p - kv_window < j <= p come from the f16 copy
             Kr, Vr = (heads_last(x) if i == 0 else heads_rows(x)
                       for i, x in enumerate(step.kv.read(layer, int(s), length, "recent_k", "recent_v")))
             in_recent = (j[None, :] > p[:, None] - recent)[None]               # [1, t, L]
-            scores = np.where(in_recent, (qs @ Kr) * attrs["scale"], scores)
+            recent_scores = by_head(q_scaled[rows]) @ Kr if integer_k else (by_head(q[rows]) @ Kr) * attrs["scale"]
+            scores = np.where(in_recent, recent_scores, scores)
         allowed = j[None, :] <= p[:, None]
         if window:
             allowed &= j[None, :] > p[:, None] - window

@@ -13,7 +13,12 @@ Formats (per token, per KV head, a row of ``head_dim`` values):
   ``[-7, 7]`` stored as the nibble ``code + 8``.
 
 Every step is float32 arithmetic the C kernels repeat bit for bit (an IEEE division, rint, the f16
-conversion), so codes agree exactly when the inputs do. ``fht`` is the normalised fast
+conversion), so codes agree exactly when the inputs do.
+
+Scores against an int8/int4 K are integer dot products: the query head, rotated and multiplied by
+the attention scale in float32, is rounded to int16 codes with one float32 scale
+(``quantize_query``: max|q| / 32767, about 1.5e-5 of the largest element), so that
+``score = q_scale * k_scale * sum(q_code * k_code)`` runs on VNNI (vpdpwssd) or vpmaddwd. ``fht`` is the normalised fast
 Walsh-Hadamard transform in the butterfly order the kernels use (stages h = 1, 2, 4, ...), again
 bit for bit.
 """
@@ -28,6 +33,8 @@ from ..errors import InfengError
 KV_FORMATS = ("f32", "f16", "int8", "int4")
 QUANTIZED = ("int8", "int4")
 QMAX = {"int8": 127, "int4": 7}
+Q16_MAX = 32767                      # int16 query codes against an int8/int4 K
+MAX_HEAD_DIM = 512                   # int8 K: 512 x 32767 x 127 still fits an int32 score
 DEFAULT_GROUP = 32                   # int4 values per scale (or head_dim, when smaller)
 F16_MAX = 65504.0
 SCALE_BYTES = 2                      # scales are f16
@@ -46,9 +53,10 @@ def check_format(fmt: str, head_dim: int, group: int | None, where: str = "kv fo
     """Raise InfengError unless ``fmt`` (with ``group`` for int4) can store rows of ``head_dim``."""
     if fmt not in KV_FORMATS:
         raise InfengError(f"{where}: unknown KV format {fmt!r} (known: {', '.join(KV_FORMATS)})")
+    if fmt in QUANTIZED and (head_dim % 2 or head_dim > MAX_HEAD_DIM):
+        raise InfengError(f"{where}: {fmt} KV needs an even head_dim of at most {MAX_HEAD_DIM} (codes are read in "
+                          f"pairs of dims), got {head_dim}")
     if fmt == "int4":
-        if head_dim % 2:
-            raise InfengError(f"{where}: int4 KV needs an even head_dim, got {head_dim}")
         if not group or group % 2 or head_dim % group:
             raise InfengError(f"{where}: int4 group {group} must be even and divide head_dim {head_dim}")
 
@@ -120,6 +128,17 @@ def quantize(x: np.ndarray, fmt: str, group: int | None = None) -> tuple[np.ndar
     codes = np.clip(np.rint(xg / safe[..., None]), -qmax, qmax)
     codes = np.where(scale[..., None] > 0, codes, 0).astype(np.int8)
     return codes.reshape(x.shape), scale
+
+
+def quantize_query(q_scaled: np.ndarray) -> np.ndarray:
+    """Query heads [..., head_dim] (rotated, times the attention scale, float32) as the kernels use
+    them against an int8/int4 K: int16 codes ``rint(q / s)``, ``s = max|q| / 32767`` (float32),
+    returned as ``codes * s`` in float64."""
+    q = np.asarray(q_scaled, dtype=np.float32)
+    scale = np.abs(q).max(axis=-1, keepdims=True) / np.float32(Q16_MAX)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    codes = np.where(scale > 0, np.rint(q / safe), 0.0)
+    return codes.astype(np.float64) * scale.astype(np.float64)
 
 
 def dequantize(codes: np.ndarray, scales: np.ndarray, fmt: str, group: int | None = None) -> np.ndarray:

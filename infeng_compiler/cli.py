@@ -367,7 +367,8 @@ def quant_table(report):
     table.add_row("all matrices", str(len(report.tensors)), f"{params:,}", f"{total:,}", f"{8 * total / max(params, 1):.3f}")
     notes = [f"{t.name}: {t.fallback_from} does not fit K={t.shape[1]}, stored as {t.format}"
              for t in report.tensors if t.fallback_from]
-    notes += [f"{t.name}: padded to {list(t.padded)}" for t in report.tensors if t.padded and not t.fallback_from]
+    notes += [f"{t.name}: K padded to {t.padded[1]} (zero columns to whole groups)" for t in report.tensors
+              if t.padded and t.padded[1] != t.shape[1] and not t.fallback_from]
     if report.calib_tokens:
         notes.append(f"calibrated on {report.calib_tokens:,} tokens; AWQ scales folded at {len(report.awq)} sites")
     if notes:

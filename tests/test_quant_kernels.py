@@ -27,8 +27,9 @@ COMPILE_ONLY = [t.name for t in TARGETS.values() if t.name not in RUNNABLE]
 POOL_THREADS = 3
 F32_TOL = 1e-5                 # max abs error / max |reference|
 
-# (K, N): K below, at and above a group; K not a multiple of 32 (padded formats) and of 16 rows
-LINEAR_SHAPES = [(64, 40), (172, 33), (576, 96), (1100, 20)]
+# (K, N): K below, at and above a group; K not a multiple of 32 (padded formats) and N not of 16
+# rows; N large enough for work items of 4 blocks (520: 33 blocks, a tail item of 1) and of 2 (272)
+LINEAR_SHAPES = [(64, 40), (172, 33), (576, 96), (1100, 20), (64, 520), (96, 272)]
 TOKENS = [1, 2, 3, 5, 17]
 ACT_CASES = [(64, 8), (172, 8), (70, 16), (576, 16), (3, 8)]
 

@@ -44,6 +44,9 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
     kp, ng = fmt.padded_k(K), fmt.groups(K)
     codes = ROWS_PER_BLOCK * kp * fmt.bits // 8
     tt, rb, rb_multi = _TILES[isa]
+    n_blocks = -(-N // ROWS_PER_BLOCK)
+    rb = _item_blocks(n_blocks, rb)
+    rb_multi = min(rb_multi, rb)
     plan = {"kp": kp, "group": fmt.group, "ng": ng, "asym": fmt.asym, "zero": fmt.zero if fmt.kind == "int" else 0,
             "block_bytes": fmt.block_bytes(K), "codes_bytes": codes, "scales_offset": codes,
             "zeros_offset": codes + ROWS_PER_BLOCK * ng * fmt.scale_dtype.itemsize,
@@ -56,6 +59,20 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
                     # int8 x int16 products summed in int32: at most 256 k per partial sum
                     chunk=fmt.group or 256)
     return plan
+
+
+def _item_blocks(n_blocks: int, most: int) -> int:
+    """Blocks per work item: the most (up to ``most``) that still give at least 8 items, an even
+    number when possible, so that 2 threads get equal shares of a small matrix (k/v projections)."""
+    options = [r for r in (4, 2, 1) if r <= most]
+    for r in options:
+        items = -(-n_blocks // r)
+        if items >= 8 and items % 2 == 0:
+            return r
+    for r in options:
+        if -(-n_blocks // r) >= 8:
+            return r
+    return 1
 
 
 def _quantize_act_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:

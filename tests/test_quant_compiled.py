@@ -89,3 +89,19 @@ def test_eval_artifact_with_kld_base(artifacts, stories_dir, assets) -> None:
                          capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["backend"] == "compiled" and 0 < result["kld"] < 0.01 and result["top1"] > 0.9
+
+
+@pytest.mark.parametrize("family,preset", [("gpt2", "int4"), ("qwen2", "int8"), ("mistral", "fp8")])
+def test_other_families(hf_checkpoint, tmp_path, family: str, preset: str) -> None:
+    """layer_norm, Conv1D (transposed) weights and biases (gpt2), q/k/v biases (qwen2), a sliding
+    window (mistral): random-init models, on which no rounding boundary happens to be crossed."""
+    model = hf_checkpoint(family)
+    out = tmp_path / "m.infeng"
+    compile_model(model, out, CompileOptions(quant=preset))
+    tokens = np.array([1, 17, 3, 99, 42, 7, 250, 5, 61, 2, 33, 8], np.int32)
+    n = len(tokens)
+    g = import_hf(model)
+    PassManager([("quantize", [preset])]).run(g, {})
+    ref = Interpreter(g).step(tokens, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
+    got = Engine(out).step(tokens, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
+    assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-3

@@ -148,13 +148,15 @@ def quality(args) -> None:
     windows = [int(w) for w in args.windows.split(",")]
     text = read_text(WIKITEXT, args.max_bytes)
     stories = ASSETS / "models" / "stories260K"
-    base = artifact(stories, workdir, "f32")
-    for kv in schemes:
+    base = artifact(stories, workdir, "f32") if "stories" in args.models else None
+    for kv in schemes if base else []:
         for window in windows:
             if window and kv in ("f32", "f16"):
                 continue
             emit(bench="quality", model="stories260K", kv=kv, window=window, ctx=256,
                  **evaluate(artifact(stories, workdir, kv, window), base, text, 256))
+    if "outliers" not in args.models:
+        return
     model = outlier_model(workdir / f"outliers-hd64-x{args.outliers:g}", args.outliers)
     base = artifact(model, workdir, "f32")
     for kv in schemes:
@@ -184,6 +186,7 @@ def main() -> int:
     sp.add_argument("--workdir", default=str(Path.home() / ".cache" / "infeng" / "bench"))
     qp = sub.add_parser("quality", help="PPL drift, KL divergence and top-1 agreement per KV scheme")
     qp.add_argument("--kv", default="f16,int8,fht-int8,int4,fht-int4")
+    qp.add_argument("--models", default="stories,outliers", help="stories (stories260K), outliers (head_dim 64)")
     qp.add_argument("--windows", default="0,32", help="f16 windows to try for the int8/int4 schemes")
     qp.add_argument("--max-bytes", type=int, default=100_000)
     qp.add_argument("--outliers", type=float, default=8.0, help="k_proj outlier rows scale (head_dim 64 model)")

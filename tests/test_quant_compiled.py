@@ -105,3 +105,34 @@ def test_other_families(hf_checkpoint, tmp_path, family: str, preset: str) -> No
     ref = Interpreter(g).step(tokens, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
     got = Engine(out).step(tokens, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
     assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-3
+
+
+def test_quantized_base_with_lora_slots(hf_checkpoint, tmp_path) -> None:
+    """Adapter deltas read the activations the quantized rows stand for (dequantize_act), as the
+    interpreter's lora_linear does after quantize_act."""
+    import peft
+    import torch
+    import transformers
+
+    from infeng_compiler.frontends.peft import load_adapter
+
+    base = hf_checkpoint("llama")
+    torch.manual_seed(4)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, r=4, lora_alpha=8,
+                                               target_modules=["q_proj", "down_proj"])).save_pretrained(tmp_path / "a")
+    options = CompileOptions(quant="int4", max_adapters=2, max_rank=4)
+    compile_model(base, tmp_path / "m.infeng", options)
+    engine = Engine(tmp_path / "m.infeng")
+    slot = engine.load_adapter("a", tmp_path / "a")
+    g = import_hf(base)
+    adapters = {"a": load_adapter(tmp_path / "a", g, "a")}
+    PassManager(options.pipeline(adapters)).run(g, {"adapters": adapters})
+    interp = Interpreter(g)
+    interp.load_adapter(slot, adapters["a"])
+    tokens = np.array([1, 17, 3, 99, 42, 7, 250, 5], np.int32)
+    n = len(tokens)
+    args = (tokens, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
+    ref = interp.step(*args, adapter_slots=np.full(n, slot, np.int32))
+    got = engine.step(*args, adapter_slots=np.full(n, slot, np.int32))
+    assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-3

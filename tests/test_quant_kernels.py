@@ -41,7 +41,8 @@ def fits(fmt_name: str, K: int) -> bool:
 
 
 def grid_specs(isa: str) -> list[KernelSpec]:
-    specs = [KernelSpec.make("quantize_act", isa, K=K, bits=b, block=32 if b == 8 else 0) for K, b in ACT_CASES]
+    specs = [KernelSpec.make(op, isa, K=K, bits=b, block=32 if b == 8 else 0) for K, b in ACT_CASES
+             for op in ("quantize_act", "dequantize_act")]
     for name in QUANT_FORMATS:
         for K, N in LINEAR_SHAPES:
             if fits(name, K):
@@ -108,6 +109,10 @@ def test_quantize_act_bit_exact(qlib: QuantLib, K: int, bits: int) -> None:
         out = np.zeros((T, act_row_layout(K, bits)["row_bytes"]), np.uint8)
         qlib.fn(spec)(qlib.ptr(x, "float *"), T, qlib.ptr(out, "uint8_t *"))
         assert np.array_equal(out, pack_act_rows(x, bits)), (qlib.isa, K, bits, T)
+        back = np.full((T, K), np.nan, np.float32)
+        deq = KernelSpec.make("dequantize_act", qlib.isa, K=K, bits=bits, block=32 if bits == 8 else 0)
+        qlib.fn(deq)(qlib.ptr(out, "uint8_t *"), T, qlib.ptr(back, "float *"))
+        assert np.array_equal(back, fake_quant(x, 32 if bits == 8 else 0, bits))
 
 
 def _linear_case(name: str, K: int, N: int, seed: int):

@@ -273,10 +273,20 @@ class _Lowering:
         self.lora_shape = (a["max_adapters"], a["max_rank"])
         spec = self.spec("lora_apply", K=w.type.shape[1], N=w.type.shape[0], R=a["max_rank"],
                          slots=a["max_adapters"])
-        x = self.quantized_from(n.inputs[0]) or n.inputs[0]    # adapters read the f32 rows
-        self.emit(spec, [self.buf(x), "T", "adapter_slots", f"m->lora_rank[{site}]",
+        x, rows = self.buf(n.inputs[0]), None
+        q = self.producers.get(n.inputs[0].name)
+        if q is not None and q.op == "quantize_act":      # the delta reads the values the rows stand for
+            K = w.type.shape[1]
+            rows = self.arena.take(K)
+            x = f"(arena + {rows} * IFE_MAX_TOKENS)"
+            deq = self.spec("dequantize_act", K=K, bits=q.attrs["bits"], block=q.attrs["block"])
+            self.emit(deq, [f"(const uint8_t *){self.buf(n.inputs[0])}", "T", x], comment + "  [adapter input]",
+                      guard="adapter_slots")
+        self.emit(spec, [x, "T", "adapter_slots", f"m->lora_rank[{site}]",
                          f"m->lora_scale[{site}]", f"m->lora_a[{site}]", f"m->lora_bt[{site}]", self.buf(n.output)],
                   comment + "  [adapter deltas]", guard="adapter_slots")
+        if rows is not None:
+            self.arena.give(rows, w.type.shape[1])
 
     def lower_logits(self, n: Node, comment: str) -> None:
         w = n.weights[0]

@@ -3,6 +3,7 @@
 | op | what | templates |
 | --- | --- | --- |
 | ``quantize_act`` | f32 rows -> int8 blocks of 32 (scales, sums) or int16 rows (one scale) | scalar, avx2, avx512 |
+| ``dequantize_act`` | those rows -> the f32 values they stand for (LoRA deltas read them) | scalar |
 | ``linear_q4`` | int4 weights (q4gG, q4gGa) x int8 activations (``vpdpbusd``) | scalar, avx2, avx512 |
 | ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``) | scalar, avx2, avx512 |
 | ``linear_f8`` | fp8 e4m3 weights x f32 activations (widened through f16 in registers) | scalar, avx2, avx512 |
@@ -95,6 +96,11 @@ OPS.update({
         ("K", "bits", "block"),
         "void {sym}(const float *x /* [T, K] */, int T, uint8_t *out /* [T, row bytes] */)",
         ("scalar", "avx2", "avx512"),
+        lambda p: [f"k{p['K']}", f"b{p['bits']}"], _check_act, _quantize_act_plan),
+    "dequantize_act": _OpKernel(
+        ("K", "bits", "block"),
+        "void {sym}(const uint8_t *x /* [T, row bytes] */, int T, float *out /* [T, K] */)",
+        ("scalar",),
         lambda p: [f"k{p['K']}", f"b{p['bits']}"], _check_act, _quantize_act_plan),
     "linear_q4": _OpKernel(
         ("K", "N", "wformat"), _LINEAR_PROTO % "int8 activation rows", ("scalar", "avx2", "avx512"),

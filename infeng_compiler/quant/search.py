@@ -45,31 +45,30 @@ def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
     weight = _error_weights(gram, K, kp, G, ng, fmt)
     ratios = ratios if search else (1.0,)
 
-    best_err = np.full((N, ng), np.inf)
-    best_codes = np.zeros((N, ng, G), np.uint8)
-    best_scales = np.zeros((N, ng), fmt.scale_dtype)
-    best_zeros = np.zeros((N, ng), np.uint8) if fmt.asym else None
-    for codes, scales, zeros, deq in _candidates(wg, fmt, ratios):
-        d = (wg - deq).astype(np.float64)
+    errors, choices = [], []
+    for scales, zeros, deq in _candidates(wg, fmt, ratios):
+        d = wg - deq                                              # float32, exact difference
         if weight is None:
-            err = (d * d).sum(axis=2)
+            err = np.einsum("ngk,ngk->ng", d, d, dtype=np.float64)
         elif weight.ndim == 2:                                   # diagonal [ng, G]
-            err = (d * d * weight[None]).sum(axis=2)
+            err = np.einsum("ngk,ngk,gk->ng", d, d, weight, dtype=np.float64)
         else:                                                    # full per group [ng, G, G]
-            err = np.einsum("ngk,gkl,ngl->ng", d, weight, d, optimize=True)
-        better = err < best_err
-        best_err = np.where(better, err, best_err)
-        best_codes = np.where(better[..., None], codes, best_codes)
-        best_scales = np.where(better, scales, best_scales)
-        if fmt.asym:
-            best_zeros = np.where(better, zeros, best_zeros)
+            d64 = d.astype(np.float64)
+            err = np.einsum("ngk,gkl,ngl->ng", d64, weight, d64, optimize=True)
+        errors.append(err)
+        choices.append((scales, zeros))
+    best = np.argmin(np.stack(errors), axis=0)                   # the first of equal errors wins
+    pick = lambda values: np.take_along_axis(np.stack(values), best[None], axis=0)[0]  # noqa: E731
+    best_scales = pick([c[0] for c in choices]).astype(fmt.scale_dtype)
+    best_zeros = pick([c[1] for c in choices]).astype(np.uint8) if fmt.asym else None
+    best_codes = _round(wg, fmt, best_scales, best_zeros)
     codes = best_codes.reshape(N, kp)
     if fmt.kind == "int":                                       # padding columns hold the zero point
         pad_zero = fmt.zero if not fmt.asym else np.repeat(best_zeros, G, axis=1)[:, K:]
         codes[:, K:] = pad_zero
     else:
         codes[:, K:] = 0
-    return QuantizedTensor(fmt.name, (N, K), codes, best_scales.astype(fmt.scale_dtype), best_zeros)
+    return QuantizedTensor(fmt.name, (N, K), codes, best_scales, best_zeros)
 
 
 def _error_weights(gram: np.ndarray | None, K: int, kp: int, G: int, ng: int, fmt: QuantFormat):
@@ -93,17 +92,27 @@ def _to_scale(s: np.ndarray, fmt: QuantFormat) -> np.ndarray:
     return s.astype(fmt.scale_dtype)
 
 
+def _round(wg: np.ndarray, fmt: QuantFormat, scales: np.ndarray, zeros: np.ndarray | None) -> np.ndarray:
+    """Codes (uint8 [N, ng, G]) of ``wg`` on the given per-group scales (and zero points)."""
+    sf = scales.astype(np.float32)
+    safe = np.where(sf == 0, np.float32(1), sf)[..., None]
+    if fmt.kind == "fp8":
+        return np.where(sf[..., None] == 0, np.uint8(0), e4m3_encode(wg / safe))
+    if fmt.asym:
+        return np.clip(np.rint(wg / safe) + zeros[..., None].astype(np.float32), 0, fmt.umax).astype(np.uint8)
+    q = np.where(sf[..., None] == 0, 0, np.clip(np.rint(wg / safe), fmt.qmin, fmt.qmax))
+    return (q + fmt.zero).astype(np.uint8)
+
+
 def _candidates(wg: np.ndarray, fmt: QuantFormat, ratios: tuple[float, ...]):
-    """Yield (codes uint8 [N,ng,G], scales [N,ng] storage dtype, zeros or None, dequantized f32)."""
+    """Yield (scales [N,ng] storage dtype, zeros or None, dequantized f32 [N,ng,G]) per candidate."""
     amax = np.abs(wg).max(axis=2)
     if fmt.kind == "fp8":
         for r in ratios:
             s = _to_scale(amax * np.float32(r) / np.float32(448.0), fmt)
             sf = s.astype(np.float32)
-            safe = np.where(sf == 0, np.float32(1), sf)
-            codes = e4m3_encode(wg / safe[..., None])
-            codes = np.where(sf[..., None] == 0, np.uint8(0), codes)
-            yield codes, s, None, e4m3_decode(codes) * sf[..., None]
+            codes = _round(wg, fmt, s, None)
+            yield s, None, e4m3_decode(codes) * sf[..., None]
         return
     if fmt.asym:
         wmin, wmax = wg.min(axis=2), wg.max(axis=2)
@@ -114,8 +123,7 @@ def _candidates(wg: np.ndarray, fmt: QuantFormat, ratios: tuple[float, ...]):
             safe = np.where(sf == 0, np.float32(1), sf)
             z = np.clip(np.rint(-lo / safe), 0, fmt.umax)
             u = np.clip(np.rint(wg / safe[..., None]) + z[..., None], 0, fmt.umax)
-            yield (u.astype(np.uint8), s, z.astype(np.uint8),
-                   ((u - z[..., None]) * sf[..., None]).astype(np.float32))
+            yield s, z.astype(np.uint8), ((u - z[..., None]) * sf[..., None]).astype(np.float32)
         return
     bases = [amax / np.float32(fmt.qmax)]
     if fmt.bits == 4:
@@ -127,6 +135,7 @@ def _candidates(wg: np.ndarray, fmt: QuantFormat, ratios: tuple[float, ...]):
             s = _to_scale(base * np.float32(r), fmt)
             sf = s.astype(np.float32)
             safe = np.where(sf == 0, np.float32(1), sf)
-            q = np.clip(np.rint(wg / safe[..., None]), fmt.qmin, fmt.qmax)
-            q = np.where(sf[..., None] == 0, 0, q)
-            yield ((q + fmt.zero).astype(np.uint8), s, None, (q * sf[..., None]).astype(np.float32))
+            q = np.rint(wg / safe[..., None])
+            np.clip(q, fmt.qmin, fmt.qmax, out=q)
+            q *= sf[..., None]                               # a zero scale gives zeros
+            yield s, None, q

@@ -4,12 +4,13 @@ Prints one JSON line per result. First the machine's read bandwidth, measured he
 vector-sum over 512 MiB using the same thread pool, and the pool's cost per ``ife_parallel_for``;
 then each linear kernel with its GB/s (weight bytes streamed per second), GFLOP/s and
 ``roofline`` = GB/s / measured read bandwidth. The weights live in a file mapped the way model.c
-maps weights.bin; decode shapes (T=1) rotate over all the copies 512 MiB holds, so every call
+maps weights.bin; decode shapes (T < 512) rotate over all the copies 512 MiB holds, so every call
 streams from DRAM as in a real decode step. Every figure is the best over ``--rounds`` passes of
 repeated samples: on a shared machine other processes only ever add time.
 
     python bench/kernels.py                       # native ISA, 1 and 2 threads
     python bench/kernels.py --isa avx2 --threads 2 --csv out.csv
+    python bench/kernels.py --tokens 1,4,8,16,32 --wdtypes f16    # batched decode
 """
 from __future__ import annotations
 
@@ -135,6 +136,7 @@ class Case:
     bytes_per_copy: int
     flops_per_copy: float
     best: float = math.inf
+    call_times: list[float] | None = None     # --per-call: seconds of each call
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,14 +145,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--wdtypes", default=",".join(WDTYPES))
     ap.add_argument("--shapes", help="comma-separated KxN filter, e.g. 576x1536,576x49152")
+    ap.add_argument("--tokens", default="1,512",
+                    help="token rows per call: 512 times the prefill shapes, any other count the decode "
+                         "shapes with weights streamed from DRAM (batched decode), e.g. 1,4,8,16,32")
     ap.add_argument("--seconds", type=float, default=0.5, help="minimum timing per result and round")
     ap.add_argument("--rounds", type=int, default=3, help="passes over all results; each keeps its best")
+    ap.add_argument("--per-call", type=float, metavar="Q",
+                    help="time linear calls one by one and report this quantile of them (e.g. 0.2) instead of "
+                         "the best pass over all weight copies: on a loaded machine a whole pass is rarely "
+                         "left alone, single calls often are")
     ap.add_argument("--csv", help="also write the results to this CSV file")
     args = ap.parse_args(argv)
     isa = get_target(args.isa, for_running=True).name
     wdtypes = args.wdtypes.split(",")
     wanted = {tuple(map(int, s.split("x"))) for s in args.shapes.split(",")} if args.shapes else None
     shapes = [s for s in sorted(set(DECODE_SHAPES) | set(PREFILL_SHAPES)) if wanted is None or s in wanted]
+    token_counts = [int(t) for t in args.tokens.split(",")]
     specs = {(K, N, wd): KernelSpec.make("linear", isa, K=K, N=N, wdtype=wd) for K, N in shapes for wd in wdtypes}
     ffi, lib = build(isa, list(specs.values()))
     rng = np.random.default_rng(0)
@@ -176,21 +186,28 @@ def main(argv: list[str] | None = None) -> int:
                     flat = data["f32" if wd == "f32" else "u16"]
                     ctype = "float *" if wd == "f32" else "uint16_t *"
                     per_copy = N * K * flat.itemsize
-                    for T, shape_list in ((1, DECODE_SHAPES), (512, PREFILL_SHAPES)):
-                        if (K, N) not in shape_list:
+                    for T in token_counts:
+                        if (K, N) not in (PREFILL_SHAPES if T == 512 else DECODE_SHAPES):
                             continue
                         # decode streams every copy the file holds; prefill reuses one (compute-bound)
-                        copies = max(1, STREAM_BYTES // per_copy) if T == 1 else 1
+                        copies = max(1, STREAM_BYTES // per_copy) if T != 512 else 1
                         ws = [ptr(flat[i * N * K:(i + 1) * N * K], ctype) for i in range(copies)]
                         x = rng.standard_normal((T, K), dtype=np.float32)
                         y = np.empty((T, N), dtype=np.float32)
+                        call_times = [] if args.per_call is not None else None
                         cases.append(Case({"kernel": spec.symbol, "shape": f"K={K},N={N}", "wdtype": wd, "T": T, **common},
                                           functools.partial(run_linear, getattr(lib, spec.symbol), pool, ptr(x), T, ws,
-                                                            ptr(y), ffi.NULL, (x, y)),
-                                          copies, per_copy, 2.0 * T * K * N))
+                                                            ptr(y), ffi.NULL, (x, y), call_times),
+                                          copies, per_copy, 2.0 * T * K * N, call_times=call_times))
             for _ in range(args.rounds):
                 for case in cases:
-                    case.best = min(case.best, timed(case.run, args.seconds))
+                    if case.call_times is not None:
+                        case.call_times.clear()
+                        timed(case.run, args.seconds)
+                        quantile = float(np.quantile(case.call_times, args.per_call)) * case.copies
+                        case.best = min(case.best, quantile)
+                    else:
+                        case.best = min(case.best, timed(case.run, args.seconds))
         finally:
             for pool in pools.values():
                 lib.ife_pool_destroy(pool)
@@ -204,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             row["GB/s"] = round(case.bytes_per_copy / per_call / 1e9, 2)
         if case.flops_per_copy:
             row["GFLOP/s"] = round(case.flops_per_copy / per_call / 1e9, 2)
-        if row["T"] == 1:
+        if 0 < row["T"] < 512:
             row["roofline"] = round(row["GB/s"] / bandwidth[row["threads"]], 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -216,10 +233,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_linear(fn, pool, x, T: int, weights: list, y, bias, keep_alive: tuple) -> None:
-    """One linear call per weight copy (``keep_alive`` holds the arrays behind the pointers)."""
+def run_linear(fn, pool, x, T: int, weights: list, y, bias, keep_alive: tuple, call_times: list | None = None) -> None:
+    """One linear call per weight copy (``keep_alive`` holds the arrays behind the pointers); with
+    ``call_times``, each call is timed on its own and appended."""
+    if call_times is None:
+        for w in weights:
+            fn(pool, x, T, w, bias, y)
+        return
+    clock = time.perf_counter
     for w in weights:
+        t0 = clock()
         fn(pool, x, T, w, bias, y)
+        call_times.append(clock() - t0)
 
 
 if __name__ == "__main__":

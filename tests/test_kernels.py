@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
+import subprocess
+import sys
 
 import cffi
 import numpy as np
@@ -29,7 +31,7 @@ F32_TOL = 1e-5            # max abs error / max |reference|
 BF16_DOT_TOL = 2e-2
 
 LINEAR_SHAPES = [(64, 40), (172, 49), (576, 96), (1100, 72)]      # (K, N): remainders, K > one packed block
-LINEAR_TOKENS = [1, 2, 3, 5, 17, 70]
+LINEAR_TOKENS = [1, 2, 3, 5, 8, 17, 70]     # T=1 rows, dot tiles of 2..6 rows, packed GEMM
 WDTYPES = ["f32", "f16", "bf16"]
 NORM_SIZES = [576, 37]
 ELTWISE_SIZES = [1536, 37]
@@ -76,6 +78,7 @@ def grid_specs(isa: str) -> list[KernelSpec]:
         specs.append(KernelSpec.make("copy_cols", isa, IN=i, OFFSET=o, WIDTH=w))
     specs.append(KernelSpec.make("gather_rows", isa, H=576))
     specs.append(KernelSpec.make("gather_rows", isa, H=7))
+    specs.append(KernelSpec.make("linear", isa, K=1100, N=300, wdtype="f16"))     # test_pool_threads
     return specs
 
 
@@ -160,6 +163,36 @@ def test_linear(klib: KernelLib, K: int, N: int, wdtype: str):
             else:
                 ref = reference("linear", [x.astype(np.float64)], ws_ref, {})
                 assert rel_err(y, ref) <= F32_TOL, f"T={T} bias={b is not None}: error {rel_err(y, ref):.3g}"
+
+
+def test_pool_threads(klib: KernelLib):
+    """Work stealing gives every pool size the same bits: 1 thread, 2, and more threads than CPUs
+    (workers preempted, ranges stolen), over many back-to-back jobs of 1..N items, some while
+    another process keeps a core busy. Each must return: a lost chunk or wake-up would hang here."""
+    K, N = 1100, 300                  # 38 work items of 8 rows: more than 2 x 8 chunks, fewer than 8 x 8
+    spec = KernelSpec.make("linear", klib.isa, K=K, N=N, wdtype="f16")
+    rng = np.random.default_rng(7)
+    stored, _ = weights(rng, (N, K), "f16")
+    xs = {T: rng.standard_normal((T, K), dtype=np.float32) for T in (1, 2, 9, 70)}
+    pools = {n: klib.ffi.gc(klib.lib.ife_pool_create(n), klib.lib.ife_pool_destroy) for n in (1, 2, 3, 8)}
+    expected = {}
+    busy = None
+    try:
+        for rnd in range(2):
+            if rnd:
+                busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for n, pool in pools.items():
+                for T, x in xs.items():
+                    y = np.empty((T, N), dtype=np.float32)
+                    for _ in range(50):
+                        y.fill(np.nan)          # a chunk left out would leave NaNs
+                        klib.fn(spec)(pool, klib.ptr(x), T, klib.ptr(stored, "uint16_t *"), klib.ffi.NULL, klib.ptr(y))
+                        ref = expected.setdefault(T, y.copy())
+                        np.testing.assert_array_equal(y, ref, err_msg=f"{n} threads, T={T}")
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
 
 
 @pytest.mark.parametrize("wdtype", WDTYPES)

@@ -143,17 +143,25 @@ _L2_BYTES = 1024 * 1024
 class _LinearTiles:
     """Register tiles of the linear kernel for one ISA template (measured on Zen 4, see docs)."""
 
-    gemv_tokens: int      # token rows sharing each weight vector (accumulators: tokens x unroll)
+    dot_rows: int         # batched-decode tile: weight rows (4: a tile's sums leave as one 4-vector) x ...
+    dot_tokens: int       # ... up to this many token rows, one accumulator per output
     mr: int               # packed micro-kernel token rows (accumulators: mr x 2 vectors)
 
 
-_LINEAR_TILES = {"avx2": _LinearTiles(gemv_tokens=2, mr=6),          # 16 ymm registers
-                 "avx512": _LinearTiles(gemv_tokens=4, mr=8),        # 32 zmm registers
-                 "avx512-bf16": _LinearTiles(gemv_tokens=4, mr=8)}
-#: Accumulators per output along K: enough independent FMA chains to cover the FMA latency at T=1.
+_LINEAR_TILES = {"avx2": _LinearTiles(dot_rows=4, dot_tokens=2, mr=6),           # 16 ymm: 8 acc + 4 w + x
+                 "avx512": _LinearTiles(dot_rows=4, dot_tokens=6, mr=8),         # 32 zmm: 24 acc + 4 w + x
+                 "avx512-bf16": _LinearTiles(dot_rows=4, dot_tokens=6, mr=8)}
+#: Token rows from which the packed GEMM beats the dot tiles. Measured (1 thread, f16, K x N =
+#: 576x1536 and 1536x576): dot tiles 105-113 GFLOP/s from T=8 to T=128; the GEMM, which packs W
+#: on every call, 45-63 at T=16, 65-82 at 32, 82-95 at 64, 94-105 at 128. At 2048x8192 the GEMM
+#: draws level at T=64 (f32) to 128 (f16).
+_GEMM_MIN_T = 64
+#: Batched decode prefetches the next dot tile's weights into L1 while the token rows and two tiles
+#: of weights take at most this much (three quarters of L1), else into L2 (measured: T=8 at K=576
+#: or T=4 at K=1536 ran 1.5-2x faster prefetching into L2, T<=4 at K=576 1.2-1.6x slower).
+_DOT_PF_L1_BYTES = 3 * _L1_BYTES // 4
+#: Accumulators per output along K at T=1: enough independent FMA chains to cover the FMA latency.
 _GEMV_UNROLL = 4
-#: Token rows from which the packed GEMM beats the dot-product path (crossover measured at 16-24).
-_GEMM_MIN_T = 16
 #: Largest k depth of a packed block: an MR x KC tile of x stays in L1 (8 x 512 x 4 B = 16 KiB).
 _GEMM_MAX_KC = 512
 #: Work items per matrix the packed path aims for, so that threads get balanced ranges.
@@ -175,7 +183,8 @@ def _plan_linear(p: dict[str, Any], isa: str) -> dict[str, Any]:
     nc_in_l2 = max(nr, _L2_BYTES // 4 // (kc * 4) // nr * nr)
     nc = min(nc_in_l2, _round_up(-(-N // _GEMM_MIN_ITEMS), nr))
     return {
-        "gemv_tokens": tiles.gemv_tokens, "gemv_unroll": _GEMV_UNROLL, "gemv_block": rows_in_l1,
+        "gemv_unroll": _GEMV_UNROLL, "dot_rows": tiles.dot_rows, "dot_tokens": tiles.dot_tokens,
+        "gemv_block": _round_up(rows_in_l1, tiles.dot_rows), "pf_l1_bytes": _DOT_PF_L1_BYTES,
         "k_tail": K % k_chunk,
         "gemm_min_t": _GEMM_MIN_T, "mr": tiles.mr, "nr": nr, "kc": kc, "nc": nc,
     }
@@ -437,9 +446,17 @@ def render_common() -> str:
     return render_template("kernels/common.h.j2")
 
 
-#: How long an idle pool worker spins before sleeping, and how often it reads the clock.
+#: Thread pool polling (templates/support.c.j2): the longest a worker polls for the next job before
+#: blocking, the budget after a job where a worker came late (descheduled), how often a polling
+#: worker yields its core, how long the caller polls for the chunks workers are running before
+#: blocking, and how often a poller reads the clock.
 POOL_SPIN_NS = 200_000
+POOL_SPIN_MIN_NS = 5_000
+POOL_YIELD_NS = 20_000
+POOL_DONE_SPIN_NS = 20_000
 POOL_SPIN_CHECK_EVERY = 64
+#: Chunks per thread's range in ife_parallel_for: what an idle thread can steal.
+POOL_CHUNKS_PER_THREAD = 8
 #: Processor ids ``ife_default_threads`` can tell apart.
 POOL_MAX_CPUS = 4096
 
@@ -447,7 +464,9 @@ POOL_MAX_CPUS = 4096
 def render_support(target: Target) -> str:
     """``ife_support.c``: thread pool, scratch buffers and the CPU check for ``target``."""
     return render_template("support.c.j2", target=target, features_env=FEATURES_ENV, spin_ns=POOL_SPIN_NS,
-                           spin_check_every=POOL_SPIN_CHECK_EVERY, max_cpus=POOL_MAX_CPUS)
+                           spin_min_ns=POOL_SPIN_MIN_NS, yield_ns=POOL_YIELD_NS, done_spin_ns=POOL_DONE_SPIN_NS,
+                           spin_check_every=POOL_SPIN_CHECK_EVERY, chunks_per_thread=POOL_CHUNKS_PER_THREAD,
+                           max_cpus=POOL_MAX_CPUS)
 
 
 def library_sources(specs: list[KernelSpec], target: Target) -> tuple[dict[str, str], set[str]]:

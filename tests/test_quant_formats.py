@@ -102,6 +102,33 @@ def test_layout_int4_nibbles_rows_interleaved() -> None:
     assert not second[codes_bytes:codes_bytes + 64].view(np.float16).reshape(2, 16)[:, 4:].any()
 
 
+@pytest.mark.parametrize("name,segments", [("q4g32", [2, 2, 1]), ("q4g32a", [4, 1]), ("q4g64", [2, 1])])
+def test_layout_int4_segments(name: str, segments: list[int]) -> None:
+    """int4 blocks are segments of 2 (symmetric) or 4 (asymmetric) groups: their codes, then their
+    scales, then their zero points, each segment 64-byte padded, so a block reads in address order."""
+    fmt = get_format(name)
+    K = 160 if fmt.group == 32 else 192                     # 5 groups of 32, or 3 of 64
+    qt = _grid((16, K), fmt)
+    data = qt.pack()
+    assert [n for _, n in fmt.segments(K)] == segments
+    at, g = 0, 0
+    for n in segments:
+        for gi in range(n):
+            for r, k in ((0, 0), (7, 5), (15, fmt.group - 1)):
+                oct_, j = divmod(k, 8)
+                byte = data[at + gi * fmt.group_code_bytes + oct_ * 64 + r * 4 + (j % 4)]
+                assert ((byte >> 4) if j >= 4 else (byte & 0xF)) == qt.codes[r, (g + gi) * fmt.group + k]
+            meta = at + n * fmt.group_code_bytes
+            for r in (0, 9, 15):
+                assert data[meta + (gi * 16 + r) * 2:][:2].view(np.float16)[0] == qt.scales[r, g + gi]
+                if fmt.asym:
+                    assert data[meta + n * 32 + gi * 16 + r] == qt.zeros[r, g + gi]
+        at += fmt.segment_bytes(n)
+        assert at % 64 == 0
+        g += n
+    assert at == fmt.block_bytes(K) == data.size
+
+
 def test_layout_int8_signed_k_pairs() -> None:
     fmt = get_format("q8r")
     qt = _grid((16, 10), fmt)

@@ -53,7 +53,9 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
     plan = {"kp": kp, "group": fmt.group, "ng": ng, "asym": fmt.asym, "zero": fmt.zero if fmt.kind == "int" else 0,
             "block_bytes": fmt.block_bytes(K), "codes_bytes": codes, "scales_offset": codes,
             "zeros_offset": codes + ROWS_PER_BLOCK * ng * fmt.scale_dtype.itemsize,
-            "n_blocks": -(-N // ROWS_PER_BLOCK), "tt": tt, "rb": rb, "rb_multi": rb_multi, "prefetch": PREFETCH_BYTES}
+            "n_blocks": -(-N // ROWS_PER_BLOCK), "tt": tt, "rb": rb, "rb_multi": rb_multi, "prefetch": PREFETCH_BYTES,
+            "seg_groups": fmt.segment_groups, "seg_bytes": fmt.segment_bytes(fmt.segment_groups),
+            "group_code_bytes": fmt.group_code_bytes}
     if fmt.kind == "int":
         bits = 8 if fmt.bits == 4 else 16
         lay = act_row_layout(K, bits)

@@ -23,7 +23,13 @@ Formats (``docs/quantization.md`` has the byte layouts):
 Every packed layout interleaves ``ROWS_PER_BLOCK`` = 16 output rows, so that one load holds the
 same k positions of 16 rows and feeds the 16 lanes of one AVX-512 accumulator (two AVX2 ones);
 ``N`` is padded to a multiple of 16 with rows of zero scale. Per block of 16 rows: the codes, then
-the scales ([group][row]), then the zero points ([group][row]), padded to 64 bytes. Codes:
+the scales ([group][row]), then the zero points ([group][row]), padded to 64 bytes; except that the
+int4 formats cut a block into *segments* of ``segment_groups`` groups (2 symmetric, 4 asymmetric:
+the fewest whose scales and zero points fill whole cache lines), each holding its groups' codes,
+then their scales, then their zero points (the last segment may hold fewer groups; each segment is
+padded to 64 bytes). A decode step then reads every block as one stream in address order; with
+all scales after all codes, the two interleaved streams per block halved what one core streamed
+(12 against 17-23 GB/s, docs/quantization.md). Codes:
 
 - int8: signed bytes q = u - 128, ``[k/2][row][k%2]`` (a k-pair of 16 rows: 32 bytes, widened by
   vpmovsxbw into one vpdpwssd operand; int8 weights multiply int16 activations);
@@ -93,8 +99,36 @@ class QuantFormat:
     def groups(self, K: int) -> int:
         return 1 if self.group == 0 else self.padded_k(K) // self.group
 
+    @property
+    def segment_groups(self) -> int:
+        """Groups per segment of a block (int4: 2 symmetric, 4 asymmetric); 0: not segmented."""
+        if self.kind != "int" or self.bits != 4:
+            return 0
+        return 4 if self.asym else 2
+
+    @property
+    def group_code_bytes(self) -> int:
+        """Bytes of codes of one group of 16 rows."""
+        return ROWS_PER_BLOCK * self.group * self.bits // 8
+
+    @property
+    def group_meta_bytes(self) -> int:
+        """Bytes of scales and zero points of one group of 16 rows."""
+        return ROWS_PER_BLOCK * (self.scale_dtype.itemsize + (1 if self.asym else 0))
+
+    def segments(self, K: int) -> list[tuple[int, int]]:
+        """(first group, groups) of each segment of a block (one segment when not segmented)."""
+        ng, sg = self.groups(K), self.segment_groups or self.groups(K)
+        return [(g, min(sg, ng - g)) for g in range(0, ng, sg)]
+
+    def segment_bytes(self, groups: int) -> int:
+        """Bytes of a segment of ``groups`` groups (64-byte padded)."""
+        return _round_up(groups * (self.group_code_bytes + self.group_meta_bytes), BLOCK_ALIGN)
+
     def block_bytes(self, K: int) -> int:
         """Bytes of one block of 16 rows (codes, then scales, then zero points; 64-byte padded)."""
+        if self.segment_groups:
+            return sum(self.segment_bytes(n) for _, n in self.segments(K))
         kp, ng = self.padded_k(K), self.groups(K)
         codes = ROWS_PER_BLOCK * kp * self.bits // 8
         scales = ROWS_PER_BLOCK * ng * self.scale_dtype.itemsize
@@ -256,14 +290,28 @@ def _pack(fmt: QuantFormat, qt: QuantizedTensor) -> np.ndarray:
         code_bytes = (octs[..., 0, :] | (octs[..., 1, :] << 4)).astype(np.uint8).reshape(n_blocks, -1)
     scales = _pad_rows(np.ascontiguousarray(qt.scales, dtype=fmt.scale_dtype), n_blocks * R)
     scale_bytes = scales.reshape(n_blocks, R, ng).transpose(0, 2, 1).copy().view(np.uint8).reshape(n_blocks, -1)
-    parts = [code_bytes, scale_bytes]
+    zero_bytes = None
     if fmt.asym:
         zeros = _pad_rows(qt.zeros.astype(np.uint8), n_blocks * R)
-        parts.append(zeros.reshape(n_blocks, R, ng).transpose(0, 2, 1).reshape(n_blocks, -1))
-    body = np.concatenate(parts, axis=1)
+        zero_bytes = zeros.reshape(n_blocks, R, ng).transpose(0, 2, 1).reshape(n_blocks, -1)
     out = np.zeros((n_blocks, fmt.block_bytes(K)), dtype=np.uint8)
-    out[:, :body.shape[1]] = body
+    for at, (g0, g1) in _segment_spans(fmt, K):
+        pieces = [code_bytes[:, g0 * fmt.group_code_bytes:g1 * fmt.group_code_bytes] if fmt.segment_groups else code_bytes,
+                  scale_bytes[:, g0 * R * fmt.scale_dtype.itemsize:g1 * R * fmt.scale_dtype.itemsize]]
+        if zero_bytes is not None:
+            pieces.append(zero_bytes[:, g0 * R:g1 * R])
+        body = np.concatenate(pieces, axis=1)
+        out[:, at:at + body.shape[1]] = body
     return out.reshape(-1)
+
+
+def _segment_spans(fmt: QuantFormat, K: int) -> list[tuple[int, tuple[int, int]]]:
+    """(byte offset in a block, (first group, end group)) of each segment."""
+    spans, at = [], 0
+    for g0, n in fmt.segments(K):
+        spans.append((at, (g0, g0 + n)))
+        at += fmt.segment_bytes(n) if fmt.segment_groups else 0
+    return spans
 
 
 def _unpack(fmt: QuantFormat, data: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
@@ -273,6 +321,15 @@ def _unpack(fmt: QuantFormat, data: np.ndarray, shape: tuple[int, int]) -> Quant
     kp, ng, R = fmt.padded_k(K), fmt.groups(K), ROWS_PER_BLOCK
     n_blocks = _round_up(N, R) // R
     blocks = data.reshape(n_blocks, fmt.block_bytes(K))
+    if fmt.segment_groups:      # back to all codes, then all scales, then all zero points
+        code_part, meta_part = [], []
+        for at, (g0, g1) in _segment_spans(fmt, K):
+            n_code = (g1 - g0) * fmt.group_code_bytes
+            code_part.append(blocks[:, at:at + n_code])
+            meta_part.append(blocks[:, at + n_code:at + n_code + (g1 - g0) * fmt.group_meta_bytes])
+        scale_part = [m[:, :m.shape[1] // fmt.group_meta_bytes * R * 2] for m in meta_part]
+        zero_part = [m[:, m.shape[1] // fmt.group_meta_bytes * R * 2:] for m in meta_part]
+        blocks = np.concatenate(code_part + scale_part + zero_part, axis=1)
     n_code = R * kp * fmt.bits // 8
     raw = blocks[:, :n_code]
     if fmt.kind == "fp8":

@@ -69,15 +69,15 @@ def test_compiled_matches_interpreter(artifacts, stories_dir, preset: str, targe
 
 def test_manifest_records_quantization(artifacts) -> None:
     manifest = json.loads((artifacts("int4") / "manifest.json").read_text())
-    assert manifest["pipeline"].endswith("quantize(int4)")
+    assert manifest["pipeline"].endswith("quantize(int4),fuse-linears")
     quant = manifest["quant"]
     assert {r["format"] for r in quant["by_format"]} == {"q8r", "q4g32"}
     tensors = {t["name"]: t for t in manifest["tensors"]}
     down = tensors["model.layers.0.mlp.down_proj.weight"]
     assert down["format"] == "q8r" and down["fallback_from"] == "q4g32"
     assert down["activations"] == {"bits": 16, "block": 0}
-    gate = tensors["model.layers.0.mlp.gate_proj.weight"]
-    assert gate["format"] == "q4g32" and gate["padded"] == [176, 64] and gate["activations"] == {"bits": 8, "block": 32}
+    gate_up = tensors["model.layers.0.mlp.gate_proj.weight+up_proj"]            # fused by fuse-linears
+    assert gate_up["format"] == "q4g32" and gate_up["padded"] == [352, 64] and gate_up["activations"] == {"bits": 8, "block": 32}
     assert any("linear_q4" in k for k in manifest["kernels"]) and any("quantize_act" in k for k in manifest["kernels"])
     assert (artifacts("int4") / "weights.bin").stat().st_size == manifest["weights_bytes"]
 

@@ -31,7 +31,7 @@ class Weight:
     """A constant tensor. ``type`` is the logical (possibly transposed) storage type.
 
     A weight read from a file knows ``file`` and byte ``offset`` and is memory-mapped on first use;
-    a weight made by a pass holds its ``array``. ``transposed`` means the file stores the
+    a weight made by a pass holds its ``array``, or only its ``quant`` (stacked quantized weights). ``transposed`` means the file stores the
     transpose of the logical shape (GPT-2's Conv1D keeps weights as [in, out]).
     """
 
@@ -81,9 +81,9 @@ class Weight:
         bytes (uint8) of a quantized format (contiguous)."""
         from ..quant.formats import is_quantized
 
-        raw, src, fmt = self.raw(), self.type.dtype, self.format
-        if is_quantized(fmt):
+        if is_quantized(self.format):
             return self.quantized().pack()
+        raw, src, fmt = self.raw(), self.type.dtype, self.format
         if fmt == src:
             return np.ascontiguousarray(raw)
         f32 = bf16_to_f32(np.asarray(raw)) if src == "bf16" else np.asarray(raw, dtype=np.float32)

@@ -27,7 +27,7 @@ def format_weight(w: Weight) -> str:
     if w.file is not None:
         source["file"] = w.file
         source["offset"] = w.offset
-    elif w.array is not None:
+    elif w.array is not None or w.quant is not None:
         source["inline"] = True
     if w.transposed:
         source["transposed"] = True

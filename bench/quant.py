@@ -4,8 +4,9 @@
     python bench/quant.py --preset llama1b --quant int8                    # vs llama.cpp Q8_0
 
 Builds the synthetic checkpoint (``infeng_models.synthetic``, random init: values do not change
-speed) if needed, compiles it with ``quantize(PRESET,clip=0)`` (round-to-nearest: the clipping
-search changes codes, not bytes or work), converts it to GGUF (f16, ``convert_hf_to_gguf.py``)
+speed) if needed, compiles it with ``kv-format(f16),cast-weights(f32),quantize(QUANT,clip=0),fuse-linears``
+(round-to-nearest: the clipping search changes codes, not bytes or work; an f16 KV cache, as
+llama.cpp keeps by default), converts it to GGUF (f16, ``convert_hf_to_gguf.py``)
 and quantizes that with ``llama-quantize`` (int4 -> Q4_0, int8 -> Q8_0), then alternates infeng
 and ``llama-bench`` rounds and keeps each side's best. Prints one JSON line per result: tok/s,
 the bandwidth roofline (measured bandwidth / weight bytes read per token: all of weights.bin but
@@ -50,7 +51,7 @@ def ensure_artifact(model: Path, args) -> Path:
 
     out = Path(args.workdir) / f"{model.name}-{args.quant}-{args.target}.infeng"
     t0 = time.perf_counter()
-    passes = f"cast-weights(f32),quantize({args.quant},clip=0)"
+    passes = f"kv-format(f16),cast-weights(f32),quantize({args.quant},clip=0),fuse-linears"
     summary = compile_model(model, out, CompileOptions(target=args.target, passes=passes))
     emit(bench="compile", model=model.name, quant=args.quant, target=summary.target,
          seconds=round(time.perf_counter() - t0, 2), cache_hit=summary.cache_hit, weights_bytes=summary.weights_bytes)

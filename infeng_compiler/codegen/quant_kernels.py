@@ -29,6 +29,9 @@ from .kernels import OPS, _all, _expect, _OpKernel, _positive
 _TILES = {"scalar": (1, 1, 1), "avx2": (4, 1, 1), "avx512": (4, 4, 2)}
 #: Software prefetch distance along a block of weight codes (0: none), bytes.
 PREFETCH_BYTES = 0
+#: Software prefetch distance of the int4 decode path (AVX-512), bytes: measured best of 256-2048
+#: on the dev machine (Zen 4), `bench/kernels.py --ops linear_q4`.
+GEMV_PREFETCH_BYTES = 512
 _INT4 = ("q4g32", "q4g64", "q4g128", "q4g32a", "q4g64a", "q4g128a")
 _INT8 = ("q8r", "q8g32", "q8g64", "q8g128")
 
@@ -54,7 +57,7 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
             "block_bytes": fmt.block_bytes(K), "codes_bytes": codes, "scales_offset": codes,
             "zeros_offset": codes + ROWS_PER_BLOCK * ng * fmt.scale_dtype.itemsize,
             "n_blocks": -(-N // ROWS_PER_BLOCK), "tt": tt, "rb": rb, "rb_multi": rb_multi, "prefetch": PREFETCH_BYTES,
-            "seg_groups": fmt.segment_groups, "seg_bytes": fmt.segment_bytes(fmt.segment_groups),
+            "gemv_prefetch": GEMV_PREFETCH_BYTES, "seg_groups": fmt.segment_groups, "seg_bytes": fmt.segment_bytes(fmt.segment_groups),
             "group_code_bytes": fmt.group_code_bytes}
     if fmt.kind == "int":
         bits = 8 if fmt.bits == 4 else 16

@@ -314,7 +314,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="thread counts of the batched test (default: the largest of --threads)")
     ap.add_argument("--target", default="native")
     ap.add_argument("--max-tokens", type=int, default=None, help="infeng compile --max-tokens (default: max(pp, 256))")
-    ap.add_argument("--compile-args", default="", help="extra infeng compile options, e.g. '--quant-policy p.json'")
+    ap.add_argument("--compile-args", default="--kv f16", help="extra infeng compile options (default: an f16 KV cache, as "
+                    "llama.cpp keeps by default), e.g. '--kv f16 --quant-policy p.json'")
     ap.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     ap.add_argument("--csv", type=Path, help="also write the results as CSV")
     ap.add_argument("--markdown", type=Path, help="also write the side-by-side tables as markdown")

@@ -49,9 +49,10 @@ def ensure_model(args) -> Path:
 def ensure_artifact(model: Path, args) -> Path:
     from infeng_compiler.compile import CompileOptions, compile_model
 
-    out = Path(args.workdir) / f"{model.name}-{args.quant}-{args.target}.infeng"
+    extra = f",{args.quant_args}" if args.quant_args else ""
+    out = Path(args.workdir) / f"{model.name}-{args.quant}{extra.replace(',', '-').replace('=', '')}-{args.target}.infeng"
     t0 = time.perf_counter()
-    passes = f"kv-format(f16),cast-weights(f32),quantize({args.quant},clip=0),fuse-linears"
+    passes = f"kv-format(f16),cast-weights(f32),quantize({args.quant},clip=0{extra}),fuse-linears"
     summary = compile_model(model, out, CompileOptions(target=args.target, passes=passes))
     emit(bench="compile", model=model.name, quant=args.quant, target=summary.target,
          seconds=round(time.perf_counter() - t0, 2), cache_hit=summary.cache_hit, weights_bytes=summary.weights_bytes)
@@ -114,6 +115,7 @@ def main() -> None:
     ap.add_argument("--preset", default="smollm135")
     ap.add_argument("--model", help="a Hugging Face model dir instead of a preset")
     ap.add_argument("--quant", default="int4", choices=sorted(PEER_TYPES))
+    ap.add_argument("--quant-args", default="", help="more quantize() arguments, e.g. embed=q4g32 or group=64")
     ap.add_argument("--target", default="native")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=512)

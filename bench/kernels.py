@@ -1,5 +1,9 @@
 """Kernel microbenchmarks: linear (GEMV for decode, GEMM for prefill) against the memory roofline.
 
+``--wdtypes`` takes float weight dtypes (f16, f32, bf16) and quantized formats (q4g32, q8r, ...:
+the ``linear_q4``/``linear_q8``/``linear_f8`` kernels over packed weights of random bytes, which
+time like real ones, and activation rows quantized as the kernel reads them).
+
 Prints one JSON line per result. First the machine's read bandwidth, measured here with a plain
 vector-sum over 512 MiB using the same thread pool, and the pool's cost per ``ife_parallel_for``;
 then each linear kernel with its GB/s (weight bytes streamed per second), GFLOP/s and
@@ -31,7 +35,10 @@ import numpy as np
 
 from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources
+from infeng_compiler.codegen.quant_kernels import linear_op
 from infeng_compiler.codegen.target import get_target
+from infeng_compiler.quant.act import pack_act_rows
+from infeng_compiler.quant.formats import get_format, is_quantized
 
 #: Bytes of weights each decode pass streams (well past any last-level cache).
 STREAM_BYTES = 512 << 20
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {tuple(map(int, s.split("x"))) for s in args.shapes.split(",")} if args.shapes else None
     shapes = [s for s in sorted(set(DECODE_SHAPES) | set(PREFILL_SHAPES)) if wanted is None or s in wanted]
     token_counts = [int(t) for t in args.tokens.split(",")]
-    specs = {(K, N, wd): KernelSpec.make("linear", isa, K=K, N=N, wdtype=wd) for K, N in shapes for wd in wdtypes}
+    specs = {(K, N, wd): linear_spec(isa, K, N, wd) for K, N in shapes for wd in wdtypes}
     ffi, lib = build(isa, list(specs.values()))
     rng = np.random.default_rng(0)
 
@@ -186,17 +193,23 @@ def main(argv: list[str] | None = None) -> int:
                     flat = data["f32" if wd == "f32" else "u16"]
                     ctype = "float *" if wd == "f32" else "uint16_t *"
                     per_copy = N * K * flat.itemsize
+                    if is_quantized(wd):
+                        flat, ctype, per_copy = data["u16"].view(np.uint8), "uint8_t *", get_format(wd).nbytes((N, K))
                     for T in token_counts:
                         if (K, N) not in (PREFILL_SHAPES if T == 512 else DECODE_SHAPES):
                             continue
                         # decode streams every copy the file holds; prefill reuses one (compute-bound)
                         copies = max(1, STREAM_BYTES // per_copy) if T != 512 else 1
-                        ws = [ptr(flat[i * N * K:(i + 1) * N * K], ctype) for i in range(copies)]
+                        elems = per_copy // flat.itemsize
+                        ws = [ptr(flat[i * elems:(i + 1) * elems], ctype) for i in range(copies)]
                         x = rng.standard_normal((T, K), dtype=np.float32)
+                        if spec.op in ("linear_q4", "linear_q8"):
+                            x = activation_rows(spec, x)
                         y = np.empty((T, N), dtype=np.float32)
                         call_times = [] if args.per_call is not None else None
                         cases.append(Case({"kernel": spec.symbol, "shape": f"K={K},N={N}", "wdtype": wd, "T": T, **common},
-                                          functools.partial(run_linear, getattr(lib, spec.symbol), pool, ptr(x), T, ws,
+                                          functools.partial(run_linear, getattr(lib, spec.symbol), pool,
+                                                            ptr(x, "float *" if x.dtype == np.float32 else "void *"), T, ws,
                                                             ptr(y), ffi.NULL, (x, y), call_times),
                                           copies, per_copy, 2.0 * T * K * N, call_times=call_times))
             for _ in range(args.rounds):
@@ -231,6 +244,18 @@ def main(argv: list[str] | None = None) -> int:
             writer.writeheader()
             writer.writerows(rows)
     return 0
+
+
+def linear_spec(isa: str, K: int, N: int, wdtype: str) -> KernelSpec:
+    """The linear kernel of a float weight dtype or a quantized weight format."""
+    if is_quantized(wdtype):
+        return KernelSpec.make(linear_op(wdtype), isa, K=K, N=N, wformat=wdtype)
+    return KernelSpec.make("linear", isa, K=K, N=N, wdtype=wdtype)
+
+
+def activation_rows(spec: KernelSpec, x: np.ndarray) -> np.ndarray:
+    """``x`` quantized into the activation rows an integer linear kernel reads (quant/act.py)."""
+    return pack_act_rows(x, 8 if spec.op == "linear_q4" else 16)
 
 
 def run_linear(fn, pool, x, T: int, weights: list, y, bias, keep_alive: tuple, call_times: list | None = None) -> None:

@@ -30,7 +30,7 @@ _TILES = {"scalar": (1, 1, 1), "avx2": (4, 1, 1), "avx512": (4, 4, 2)}
 #: Software prefetch distance along a block of weight codes (0: none), bytes.
 PREFETCH_BYTES = 0
 #: Software prefetch distance of the int4 decode path (AVX-512), bytes: measured best of 256-2048
-#: on the dev machine (Zen 4), `bench/kernels.py --ops linear_q4`.
+#: on the dev machine (Zen 4), `python bench/kernels.py --wdtypes q4g32 --tokens 1`.
 GEMV_PREFETCH_BYTES = 512
 _INT4 = ("q4g32", "q4g64", "q4g128", "q4g32a", "q4g64a", "q4g128a")
 _INT8 = ("q8r", "q8g32", "q8g64", "q8g128")

@@ -28,8 +28,8 @@ int4 formats cut a block into *segments* of ``segment_groups`` groups (2 symmetr
 the fewest whose scales and zero points fill whole cache lines), each holding its groups' codes,
 then their scales, then their zero points (the last segment may hold fewer groups; each segment is
 padded to 64 bytes). A decode step then reads every block as one stream in address order; with
-all scales after all codes, the two interleaved streams per block halved what one core streamed
-(12 against 17-23 GB/s, docs/quantization.md). Codes:
+all scales after all codes, each block was two interleaved streams, and one core streamed half as
+much (docs/quantization.md). Codes:
 
 - int8: signed bytes q = u - 128, ``[k/2][row][k%2]`` (a k-pair of 16 rows: 32 bytes, widened by
   vpmovsxbw into one vpdpwssd operand; int8 weights multiply int16 activations);

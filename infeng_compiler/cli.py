@@ -307,7 +307,9 @@ def compile_command(model: Path = typer.Argument(..., help="model directory, mod
                                                                 help="quantize the weights: int8, int4 or fp8"),
                     quant_policy: Optional[Path] = typer.Option(None, "--quant-policy",
                                                                 help="per-tensor formats (JSON, see docs/quantization.md)"),
-                    calib: Optional[Path] = typer.Option(None, "--calib", help="calibration text (AWQ + clipping)"),
+                    calib: Optional[Path] = typer.Option(None, "--calib",
+                                                         help="calibration text (--quant: AWQ + clipping; int8/int4 "
+                                                              "--kv: K centring)"),
                     calib_max_bytes: Optional[int] = typer.Option(None, "--calib-max-bytes",
                                                                   help="use only the first N bytes of --calib"),
                     kv: KVScheme = typer.Option(KVScheme.f32, "--kv",
@@ -337,7 +339,7 @@ def compile_command(model: Path = typer.Argument(..., help="model directory, mod
     table.add_row("target", summary.target)
     table.add_row("pipeline", summary.pipeline)
     table.add_row("kv cache", f"{kv.value}" + (f", last {kv_window} tokens f16" if kv_window else "")
-                  + f", {summary.kv_bytes_per_token:g} bytes/token")
+                  + (", K centred" if summary.kv_centred else "") + f", {summary.kv_bytes_per_token:g} bytes/token")
     table.add_row("weights", f"{summary.weights_bytes / 2**20:.1f} MiB")
     table.add_row("kernels rendered", str(summary.kernels))
     table.add_row("build cache", "hit" if summary.cache_hit else "miss")

@@ -15,6 +15,7 @@ from .codegen.build import build_library
 from .codegen.lower import lower
 from .codegen.render import render_sources
 from .codegen.target import get_target
+from .errors import InfengError
 from .frontends import ONNX_PIPELINE, import_model, model_source
 from .frontends.peft import load_adapter
 from .ir import print_graph
@@ -44,7 +45,7 @@ class CompileOptions:
     lora_targets: str = ""              # '+'-separated module suffixes with slots (default: all linears)
     quant: str | None = None            # int8, int4, fp8 (passes/quantize.py)
     quant_policy: Path | None = None    # per-tensor overrides (quant/policy.py)
-    calib: Path | None = None           # calibration text
+    calib: Path | None = None           # calibration text (--quant: AWQ + clipping; int8/int4 --kv: K centring)
     calib_max_bytes: int | None = None
     kv: str = "f32"                     # KV cache: f32, f16, int8, int4, fht-int8, fht-int4 (passes/kv_cache.py)
     kv_window: int = 0                  # recent tokens kept in f16 next to an int8/int4 cache
@@ -58,8 +59,12 @@ class CompileOptions:
             k = self.max_adapters or max(4, len(slotted))
             r = self.max_rank or max([a.max_rank for a in slotted] + [16])
             entries.append(("lora-slots", [str(k), str(r)] + ([self.lora_targets] if self.lora_targets else [])))
-        quantize = quantize_entry(self.quant, self.quant_policy, self.calib, self.calib_max_bytes)
-        kv = kv_entry(self.kv, self.kv_window)
+        kv = kv_entry(self.kv, self.kv_window, self.calib, self.calib_max_bytes)
+        weights_calibrated = self.quant is not None or self.quant_policy is not None
+        if self.calib is not None and not weights_calibrated and not (kv and any(a.startswith("calib=") for a in kv[1])):
+            raise InfengError("--calib needs --quant (calibrated weight scales) or an int8/int4 --kv (K centring)")
+        quantize = quantize_entry(self.quant, self.quant_policy, *((self.calib, self.calib_max_bytes)
+                                                                   if weights_calibrated else (None, None)))
         return (entries + ([kv] if kv else []) + [("cast-weights", [self.dtype])] + ([quantize] if quantize else [])
                 + [("fuse-linears", [])])
 
@@ -76,6 +81,7 @@ class CompileSummary:
     passes: list[PassRecord] = field(default_factory=list)
     quant: QuantReport | None = None
     kv_bytes_per_token: float = 0.0
+    kv_centred: bool = False
 
     @property
     def seconds(self) -> float:
@@ -162,4 +168,4 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
         raise
     return CompileSummary(out_dir, target.name, format_pipeline(pipeline), lowered.weights_bytes,
                           len(lowered.specs), build.cache_hit, stages, manager.records, quant,
-                          manifest["kv"]["bytes_per_token"])
+                          manifest["kv"]["bytes_per_token"], bool(manifest["kv"].get("k_centred")))

@@ -326,6 +326,7 @@ OPS: dict[str, _OpKernel] = {
          "rotate", "kv_window", "ring_rows"),
         "void {sym}(ife_pool *pool, const float *q /* [T, n_heads * head_dim] */, "
         "const float *k /* [T, n_kv_heads * head_dim] */, const float *v /* [T, n_kv_heads * head_dim] */, "
+        "const float *k_mean /* [n_kv_heads * head_dim] subtracted from every k row, or NULL */, "
         "int T, const int32_t *pos /* [T] */, const int32_t *seq /* [T] */, "
         "const int32_t *block_table /* [n_slots, max_blocks] */, int max_blocks, "
         "uint8_t *k_cache /* [n_blocks, K block bytes] */, uint8_t *v_cache /* [n_blocks, V block bytes] */, "

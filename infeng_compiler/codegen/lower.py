@@ -333,7 +333,7 @@ class _Lowering:
         ring_rows = align(a["kv_window"] + self.max_tokens, 16) if a.get("kv_window") else 0
         self.kv_layers.append(self.kv_layer(a, k_format, v_format, ring_rows))
         q, k, v = (self.buf(x) for x in n.inputs[:3])
-        if plain_f32(a):
+        if plain_f32(a) and not n.weights:
             spec = self.spec("attention", n_heads=a["n_heads"], n_kv_heads=a["n_kv_heads"], head_dim=a["head_dim"],
                              block_size=self.block_size, scale=float(a["scale"]), window=int(a.get("window") or 0))
             self.emit(spec, ["pool", q, k, v, "T", "positions", "seq_slots", "block_table", "max_blocks",
@@ -345,7 +345,8 @@ class _Lowering:
                          k_format=k_format, v_format=v_format, group=group or 0,
                          rotate=bool(a.get("rotate_qk")), kv_window=int(a.get("kv_window") or 0), ring_rows=ring_rows)
         rings = self.kv_layers[-1]
-        self.emit(spec, ["pool", q, k, v, "T", "positions", "seq_slots", "block_table", "max_blocks",
+        k_mean = self.weight(n.weights[0]) if n.weights else "NULL"        # centred K (passes/kv_cache.py)
+        self.emit(spec, ["pool", q, k, v, k_mean, "T", "positions", "seq_slots", "block_table", "max_blocks",
                          f"m->k_cache[{layer}]", f"m->v_cache[{layer}]",
                          f"m->k_ring[{layer}]" if rings["k_ring"] else "NULL",
                          f"m->v_ring[{layer}]" if rings["v_ring"] else "NULL",

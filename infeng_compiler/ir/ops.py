@@ -320,7 +320,7 @@ def _rope_ref(ins, ws, attrs, step):
 KV_ATTRS = ("k_format", "v_format", "kv_group", "rotate_qk", "kv_window")
 
 
-@op("attention", inputs=("q", "k", "v", "positions"),
+@op("attention", inputs=("q", "k", "v", "positions"), weights=("k_mean?",),
     attrs=("layer", "n_heads", "n_kv_heads", "head_dim", "scale"))
 def _attention_shape(ins, ws, attrs):
     """Causal attention of each token over its sequence's KV cache (GQA).
@@ -333,12 +333,19 @@ def _attention_shape(ins, ws, attrs):
     per head by the normalised Walsh-Hadamard transform before k is stored; scores unchanged in
     exact arithmetic), ``kv_window`` (the last ``kv_window`` positions before each query are read
     from an f16 copy instead of the int8/int4 store).
+
+    Optional weight ``k_mean`` f32[n_kv_heads * head_dim]: a fixed vector subtracted from every k
+    row (after RoPE and the rotation) before it is stored. Exact for attention: it shifts all scores
+    of a query by the same q·k_mean, which softmax ignores; it centres K so that its quantization
+    step is set by the spread, not by the channel means (docs/kv-cache.md).
     """
     q, k, v = ins[:3]
     h, kvh, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
     _expect(q.shape[-1] == h * hd, f"attention: q {q} is not {h} heads of {hd}")
     _expect(k.shape[-1] == kvh * hd and v.shape[-1] == kvh * hd, f"attention: k {k} / v {v} not {kvh} heads of {hd}")
     _expect(h % kvh == 0, f"attention: {h} query heads not a multiple of {kvh} KV heads")
+    _expect(not ws or (ws[0].rank == 1 and ws[0].shape[0] == kvh * hd),
+            f"attention: k_mean must be f32[{kvh * hd}] (one value per KV head and dim), got {ws[0] if ws else None}")
     if any(a in attrs for a in KV_ATTRS):
         from ..quant.kv import attention_kv_formats, check_format, is_power_of_two
 
@@ -362,7 +369,7 @@ def _attention_ref(ins, ws, attrs, step):
     window = attrs.get("window")
     layer = attrs["layer"]
     T = q.shape[0]
-    kv_cache = any(a in attrs for a in KV_ATTRS)
+    kv_cache = any(a in attrs for a in KV_ATTRS) or bool(ws)
     recent = 0
     if kv_cache:     # store what the attention_kvq kernels store (docs/kv-cache.md)
         from ..quant.kv import QUANTIZED, attention_kv_formats, fht_heads, quantize_query, round_f16, store_rows
@@ -370,6 +377,8 @@ def _attention_ref(ins, ws, attrs, step):
         kf, vf, group = attention_kv_formats(attrs)
         if attrs.get("rotate_qk"):
             q, k = fht_heads(q, h, hd), fht_heads(k, kvh, hd)
+        if ws:           # centred K: every score of a query moves by q·k_mean, softmax does not see it
+            k = (k - ws[0][None, :]).astype(np.float32)
         k3, v3 = k.reshape(-1, kvh, hd), v.reshape(-1, kvh, hd)
         stored_k, stored_v = store_rows(k3, kf, group), store_rows(v3, vf, group)
         recent = attrs.get("kv_window", 0) if (kf in QUANTIZED or vf in QUANTIZED) else 0

@@ -4,6 +4,9 @@ value that feeds a ``linear``/``logits``, per-channel activation statistics.
 For a value ``x`` [tokens, K] the statistics are the token count, the mean |x| per channel (what
 the AWQ scale search raises to a power) and the Gram matrix ``XᵀX`` [K, K] (float64), with which
 the output error of any weight change ``D`` is ``tr(D XᵀX Dᵀ)`` without keeping the activations.
+
+``value_means`` is the lighter statistic the KV cache passes need: the mean row of chosen values
+(the k rows of every attention layer, for K centring).
 """
 from __future__ import annotations
 
@@ -44,6 +47,19 @@ def calibration_ids(tokenizer, path: str | Path, max_bytes: int | None, ctx: int
         raise InfengError(f"{path}: the calibration text has {len(ids)} tokens, fewer than one chunk of {ctx}; "
                           "give more text (or a larger --calib-max-bytes)")
     return chunk_tokens(ids, ctx, tokenizer.bos_token_id)
+
+
+def calibration_tokenizer(graph: Graph, ctx: dict, where: str):
+    """The tokenizer a pass calibrates with: ``ctx["tokenizer"]``, or the one in ``ctx["model_dir"]``."""
+    if ctx.get("tokenizer") is not None:
+        return ctx["tokenizer"]
+    model_dir = ctx.get("model_dir")
+    if model_dir is None:
+        raise InfengError(f"{where}: calibration needs the model's tokenizer; run it from infeng compile/eval "
+                          "(ctx['model_dir'] or ctx['tokenizer'])")
+    from infeng_runtime.tokenizer import Tokenizer
+
+    return Tokenizer(Path(model_dir), graph.meta.get("bos_token_id"), graph.meta.get("eos_token_ids"))
 
 
 def collect(graph: Graph, chunks: np.ndarray, batch: int = 8,
@@ -88,3 +104,42 @@ def _accumulate(sums: dict[str, list], name: str, x: np.ndarray) -> None:
     entry[0] += x64.shape[0]
     entry[1] += np.abs(x64).sum(axis=0)
     entry[2] += x64.T @ x64
+
+
+def value_means(graph: Graph, chunks: np.ndarray, names: set[str], batch: int = 8,
+                progress: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray]:
+    """Run ``graph`` (float32) over ``chunks`` [n, ctx]: the mean row (float64 [width]) of every value
+    in ``names`` over all calibration tokens. Nodes after the last producer of a watched value are
+    not run."""
+    from ..interp import KVStore, Step
+
+    producers = [i for i, n in enumerate(graph.nodes) if any(o.name in names for o in n.outputs)]
+    missing = names - {o.name for n in graph.nodes for o in n.outputs}
+    if missing:
+        raise InfengError(f"calibration: no node produces {', '.join(sorted(missing))}")
+    nodes = graph.nodes[: max(producers) + 1]
+    weights: dict[str, np.ndarray] = {}
+    sums: dict[str, np.ndarray] = {}
+    n, ctx = chunks.shape
+    for start in range(0, n, batch):
+        group = chunks[start:start + batch]
+        b = len(group)
+        tokens = group.reshape(-1).astype(np.int32)
+        step = Step(np.repeat(np.arange(b, dtype=np.int32), ctx), np.arange(len(tokens)), KVStore())
+        env: dict[str, np.ndarray] = {"tokens": tokens, "positions": np.tile(np.arange(ctx, dtype=np.int32), b),
+                                      "adapter_slots": np.full(len(tokens), -1, np.int32)}
+        for node in nodes:
+            ws = []
+            for w in node.weights:
+                if w.name not in weights:
+                    weights[w.name] = w.numpy_f32()
+                ws.append(weights[w.name])
+            outs = get_op(node.op).reference([env[v.name] for v in node.inputs], ws, node.attrs, step)
+            for value, array in zip(node.outputs, outs):
+                env[value.name] = array
+                if value.name in names:
+                    rows = np.asarray(array, dtype=np.float64).reshape(-1, array.shape[-1])
+                    sums[value.name] = sums.get(value.name, 0.0) + rows.sum(axis=0)
+        if progress:
+            progress(min(start + batch, n), n)
+    return {name: total / chunks.size for name, total in sums.items()}

@@ -485,11 +485,28 @@ def test_compiled_matches_interpreter(tmp_path, hf_checkpoint, llama_f32, kv, wi
     assert rel(got[0], llama_f32[0]) > 10 * errors[0]      # the format's own effect, far above the kernels'
 
 
-def test_ring_restarts_when_a_slot_changes_hands(tmp_path, hf_checkpoint):
+@pytest.mark.parametrize("kv, block_size", [("fht-int8", 8), ("fht-int8", 32), ("fht-int4", 8)])
+def test_ring_with_other_block_sizes(tmp_path, hf_checkpoint, kv, block_size):
+    """The f16 window with blocks of 8 and 32 positions, in a ring that wraps: max_tokens 16 makes a
+    ring of 32 columns, which the 39 positions of run_batch go around."""
+    model = hf_checkpoint("llama")
+    options = CompileOptions(kv=kv, kv_window=8, block_size=block_size, max_tokens=16)
+    artifact = tmp_path / f"llama-{kv}-b{block_size}.infeng"
+    compile_model(model, artifact, options)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["kv"]["block_size"] == block_size and manifest["constants"]["kv_layers"][0]["ring_rows"] == 32
+    graph = import_hf(model)
+    PassManager(options.pipeline()).run(graph)
+    errors = [rel(g, w) for g, w in zip(run_batch(Engine(artifact)), run_batch(Interpreter(graph)))]
+    assert max(errors) <= COMPILED_TOL, errors
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_ring_restarts_when_a_slot_changes_hands(tmp_path, hf_checkpoint, block_size):
     """A slot reused by another sequence, or a sequence that starts after a shared prefix, must not
     read the f16 ring rows of the slot's previous owner."""
-    artifact = tmp_path / "llama-ring.infeng"
-    compile_model(hf_checkpoint("llama"), artifact, CompileOptions(kv="fht-int8", kv_window=16))
+    artifact = tmp_path / f"llama-ring-b{block_size}.infeng"
+    compile_model(hf_checkpoint("llama"), artifact, CompileOptions(kv="fht-int8", kv_window=16, block_size=block_size))
     rng = np.random.default_rng(9)
     a, b = (rng.integers(3, 250, 48).astype(np.int32) for _ in range(2))
     fresh = Engine(artifact, max_seqs=4)
@@ -510,7 +527,8 @@ def test_ring_restarts_when_a_slot_changes_hands(tmp_path, hf_checkpoint):
     slot = engine.kv.slot(2)
     assert slot == 1
     engine.kv.ensure(2, 48)
-    engine.kv.block_table[slot, :2] = engine.kv.block_table[engine.kv.slot_of[0], :2]   # share b's prefix blocks
+    prefix_blocks = 32 // block_size                                        # b's first 32 positions
+    engine.kv.block_table[slot, :prefix_blocks] = engine.kv.block_table[engine.kv.slot_of[0], :prefix_blocks]
     shared = engine.forward(b[32:], np.arange(32, 48, dtype=np.int32), np.full(16, slot, np.int32),
                             np.array([15], np.int32))
     # positions 16..31 now come from the int8 store instead of the ring: close to the full run, and

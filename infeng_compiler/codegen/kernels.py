@@ -221,13 +221,17 @@ def _check_attention_kvq(p: dict[str, Any]) -> None:
     _expect(not p["rotate"] or is_power_of_two(hd), f"attention_kvq: rotation needs a power-of-two head_dim, got {hd}")
     _expect(isinstance(p["kv_window"], int) and p["kv_window"] >= 0, "attention_kvq: kv_window must be an int >= 0")
     if p["kv_window"]:
-        _expect(p["ring_rows"] > p["kv_window"] and p["ring_rows"] % _KVQ_TILE == 0,
-                f"attention_kvq: ring_rows must exceed kv_window and be a multiple of {_KVQ_TILE}")
+        _expect(p["ring_rows"] > p["kv_window"] and p["ring_rows"] % KVQ_RING_ALIGN == 0,
+                f"attention_kvq: ring_rows must exceed kv_window and be a multiple of {KVQ_RING_ALIGN}")
 
 
 #: Keys per score vector of the attention_kvq AVX-512 template, keys per work item when a token's
 #: keys are split across threads, and the work items per thread below which they are split.
 _KVQ_TILE = 16
+#: Columns of an f16 ring are a multiple of this: the AVX-512 template reads a tile of keys as
+#: contiguous ring columns, and every tile it uses (16 keys, or a whole block of 2, 4 or 8) divides it,
+#: so no tile wraps around the ring whatever the block size.
+KVQ_RING_ALIGN = _KVQ_TILE
 _KVQ_CHUNK_KEYS = 256
 _KVQ_SPLIT_BELOW = 4
 

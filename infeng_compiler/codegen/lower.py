@@ -17,7 +17,7 @@ from ..quant.kv import QUANTIZED, attention_kv_formats, layer_block_bytes, plain
 from ..quant.act import act_row_layout
 from ..quant.formats import get_format, is_quantized
 from . import quant_kernels  # noqa: F401  (registers the quantized kernels)
-from .kernels import KernelSpec
+from .kernels import KVQ_RING_ALIGN, KernelSpec
 from .quant_kernels import linear_op
 from .target import Target
 
@@ -330,7 +330,7 @@ class _Lowering:
         a = n.attrs
         layer = a["layer"]
         k_format, v_format, group = attention_kv_formats(a)
-        ring_rows = align(a["kv_window"] + self.max_tokens, 16) if a.get("kv_window") else 0
+        ring_rows = align(a["kv_window"] + self.max_tokens, KVQ_RING_ALIGN) if a.get("kv_window") else 0
         self.kv_layers.append(self.kv_layer(a, k_format, v_format, ring_rows))
         q, k, v = (self.buf(x) for x in n.inputs[:3])
         if plain_f32(a) and not n.weights:

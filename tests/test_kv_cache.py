@@ -110,6 +110,27 @@ def test_k_centring_is_exact_and_shrinks_the_k_step():
     assert centred * 3 < plain, (plain, centred)
 
 
+def test_exp_kernel_is_expf():
+    x = np.concatenate([np.linspace(-110, 0, 20001), np.linspace(0, 88, 2001)]).astype(np.float32)
+    got, want = kvq.exp_kernel(x).astype(np.float64), np.exp(x.astype(np.float64))
+    assert np.all(np.abs(got - want) <= 4e-7 * want + 1e-38)
+
+
+def test_integer_pv_rounds_probabilities_to_uint8_per_group():
+    """int8 V against int8 K: probabilities (times V scales) become uint8 codes per 16 positions;
+    the output stays within a few 1/255 steps of the float P·V over the same cached values."""
+    rng = np.random.default_rng(3)
+    h, kvh, hd, T = 4, 2, 32, 70
+    q, k, v = ((rng.standard_normal((T, n * hd)) * 2).astype(np.float32) for n in (h, kvh, kvh))
+    attrs = {"layer": 0, "n_heads": h, "n_kv_heads": kvh, "head_dim": hd, "scale": 1 / math.sqrt(hd),
+             "k_format": "int8", "v_format": "int8"}
+    integer = attention_ref(q, k, v, attrs)
+    # the same cached K/V with float P·V: dequantize V and keep the f32 path
+    v_stored = kvq.store_rows(v.reshape(T, kvh, hd), "int8").reshape(T, -1)
+    floating = attention_ref(q, k, v_stored, {**attrs, "v_format": "f32"})
+    assert 0 < rel(integer, floating) < 4 / 255
+
+
 # ---------------------------------------------------------------------------------------------
 # the passes, as text in / text out
 ONE_LAYER = """
@@ -317,6 +338,11 @@ KERNEL_CASES = [  # heads, kv heads, head_dim, block, sliding window, K, V, int4
     (3, 3, 40, 4, 0, "f32", "int8", 0, False, 0, False),
     (6, 2, 24, 8, 5, "int8", "f16", 0, False, 4, True),
     (4, 4, 16, 6, 0, "int8", "int4", 16, False, 5, False),
+    # int8 V against an int8/int4 K: probability codes (uint8, per 16 positions), integer P.V
+    (4, 2, 64, 16, 0, "int8", "int8", 0, True, 8, True),
+    (6, 2, 128, 32, 0, "int4", "int8", 32, False, 0, False),
+    (4, 2, 32, 8, 0, "int8", "int8", 0, True, 5, False),
+    (6, 2, 24, 16, 5, "int8", "int8", 0, False, 0, False),
 ]
 STEPS = [  # (slot, positions) per step: prefill, decode, mixed batches, a long chunk
     [(0, range(0, 13))],

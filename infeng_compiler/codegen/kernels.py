@@ -227,7 +227,7 @@ def _check_attention_kvq(p: dict[str, Any]) -> None:
 
 #: Keys per score vector of the attention_kvq AVX-512 template, keys per work item when a token's
 #: keys are split across threads, and the work items per thread below which they are split.
-_KVQ_TILE = 16
+_KVQ_TILE = 16                 # also quant.kv.P_GROUP: a tile is one probability group
 #: Columns of an f16 ring are a multiple of this: the AVX-512 template reads a tile of keys as
 #: contiguous ring columns, and every tile it uses (16 keys, or a whole block of 2, 4 or 8) divides it,
 #: so no tile wraps around the ring whatever the block size.
@@ -238,13 +238,14 @@ _KVQ_SPLIT_BELOW = 4
 
 def _plan_attention_kvq(p: dict[str, Any], isa: str) -> dict[str, Any]:
     """Block byte layout (quant/kv.py) and, for AVX-512, tiles of keys and the decode split."""
-    from ..quant.kv import block_bytes, fht_norm
+    from ..quant.kv import P_GROUP, QUANTIZED, block_bytes, fht_norm
 
     B, kvh, hd = p["block_size"], p["n_kv_heads"], p["head_dim"]
     group = p["group"] or hd
     codes = {"f32": 4 * hd, "f16": 2 * hd, "int8": hd, "int4": hd // 2}
     tile = _KVQ_TILE if B % _KVQ_TILE == 0 else B
     return {"qgroup": group, "fht_norm": float(fht_norm(hd)),
+            "int_pv": p["k_format"] in QUANTIZED and p["v_format"] == "int8", "p_group": P_GROUP,
             "k_codes_bytes": B * kvh * codes[p["k_format"]], "v_codes_bytes": B * kvh * codes[p["v_format"]],
             "k_block_bytes": block_bytes(p["k_format"], B, kvh, hd, group),
             "v_block_bytes": block_bytes(p["v_format"], B, kvh, hd, group),
@@ -252,13 +253,17 @@ def _plan_attention_kvq(p: dict[str, Any], isa: str) -> dict[str, Any]:
 
 
 def _attention_kvq_variant(isa: str, p: dict[str, Any]) -> bool:
-    """The AVX-512 template covers blocks of a multiple of 16 keys (or 2, 4, 8), and int4 V heads
-    of <= 16 (power-of-two groups) or a multiple of 32 (groups a multiple of 16); other shapes use
-    the scalar template."""
+    """The AVX-512 template covers blocks of a multiple of 16 keys (or 2, 4, 8; not for the integer
+    P·V of int8 V against an int8/int4 K, whose probability groups of 16 positions are its tiles), and
+    int4 V heads of <= 16 (power-of-two groups) or a multiple of 32 (groups a multiple of 16); other
+    shapes use the scalar template."""
+    from ..quant.kv import P_GROUP, QUANTIZED
+
     if isa != "avx512":
         return True
     B, hd, group = p["block_size"], p["head_dim"], p["group"] or p["head_dim"]
-    ok = B % _KVQ_TILE == 0 or B in (2, 4, 8)
+    int_pv = p["k_format"] in QUANTIZED and p["v_format"] == "int8"
+    ok = B % P_GROUP == 0 if int_pv else (B % _KVQ_TILE == 0 or B in (2, 4, 8))
     if p["v_format"] == "int4":
         ok &= (hd <= _KVQ_TILE and group & (group - 1) == 0) or (hd % (2 * _KVQ_TILE) == 0 and group % _KVQ_TILE == 0)
     return ok

@@ -370,76 +370,96 @@ def _attention_ref(ins, ws, attrs, step):
     layer = attrs["layer"]
     T = q.shape[0]
     kv_cache = any(a in attrs for a in KV_ATTRS) or bool(ws)
-    recent = 0
-    if kv_cache:     # store what the attention_kvq kernels store (docs/kv-cache.md)
-        from ..quant.kv import QUANTIZED, attention_kv_formats, fht_heads, quantize_query, round_f16, store_rows
+    if not kv_cache:
+        for s in np.unique(step.seq_ids):
+            rows = np.nonzero(step.seq_ids == s)[0]
+            step.kv.write(layer, int(s), pos[rows], k[rows].reshape(-1, kvh, hd), v[rows].reshape(-1, kvh, hd))
+        return [_attend(q, pos, step, attrs)]
+    # store what the attention_kvq kernels store (docs/kv-cache.md)
+    from ..quant.kv import QUANTIZED, attention_kv_formats, fht_heads, quantize, round_f16, store_rows
 
-        kf, vf, group = attention_kv_formats(attrs)
-        if attrs.get("rotate_qk"):
-            q, k = fht_heads(q, h, hd), fht_heads(k, kvh, hd)
-        if ws:           # centred K: every score of a query moves by q·k_mean, softmax does not see it
-            k = (k - ws[0][None, :]).astype(np.float32)
-        k3, v3 = k.reshape(-1, kvh, hd), v.reshape(-1, kvh, hd)
-        stored_k, stored_v = store_rows(k3, kf, group), store_rows(v3, vf, group)
-        recent = attrs.get("kv_window", 0) if (kf in QUANTIZED or vf in QUANTIZED) else 0
-        if recent:       # the f16 copy of the last kv_window positions (quantized formats only)
-            recent_k = round_f16(k3) if kf in QUANTIZED else stored_k
-            recent_v = round_f16(v3) if vf in QUANTIZED else stored_v
+    kf, vf, group = attention_kv_formats(attrs)
+    if attrs.get("rotate_qk"):
+        q, k = fht_heads(q, h, hd), fht_heads(k, kvh, hd)
+    if ws:           # centred K: every score of a query moves by q·k_mean, softmax does not see it
+        k = (k - ws[0][None, :]).astype(np.float32)
+    k3, v3 = k.reshape(-1, kvh, hd), v.reshape(-1, kvh, hd)
+    rows_of = {"k": store_rows(k3, kf, group), "v": store_rows(v3, vf, group)}
+    if kf in QUANTIZED and vf == "int8":      # integer P·V: exact scores and V codes need the codes themselves
+        rows_of["k_codes"], rows_of["k_scales"] = quantize(k3, kf, group)
+        rows_of["v_codes"], rows_of["v_scales"] = quantize(v3, vf, group)
+    if attrs.get("kv_window", 0) and (kf in QUANTIZED or vf in QUANTIZED):
+        # the f16 copy of the last kv_window positions (quantized formats only)
+        rows_of["recent_k"] = round_f16(k3) if kf in QUANTIZED else rows_of["k"]
+        rows_of["recent_v"] = round_f16(v3) if vf in QUANTIZED else rows_of["v"]
     for s in np.unique(step.seq_ids):
         rows = np.nonzero(step.seq_ids == s)[0]
-        if not kv_cache:
-            step.kv.write(layer, int(s), pos[rows], k[rows].reshape(-1, kvh, hd), v[rows].reshape(-1, kvh, hd))
-        elif recent:
-            step.kv.write(layer, int(s), pos[rows], stored_k[rows], stored_v[rows],
-                          recent_k=recent_k[rows], recent_v=recent_v[rows])
-        else:
-            step.kv.write(layer, int(s), pos[rows], stored_k[rows], stored_v[rows])
-    out = np.empty((T, h, hd), dtype=np.float32)
-    group = h // kvh
+        step.kv.write(layer, int(s), pos[rows], **{name: x[rows] for name, x in rows_of.items()})
+    return [_attend(q, pos, step, attrs)]
 
-    def heads_last(K):          # [L, kvh, hd] -> [h, hd, L]
-        return np.ascontiguousarray(np.repeat(K, group, axis=1).transpose(1, 2, 0), dtype=np.float64)
 
-    def heads_rows(V):          # [L, kvh, hd] -> [h, L, hd]
-        return np.ascontiguousarray(np.repeat(V, group, axis=1).transpose(1, 0, 2), dtype=np.float64)
+def _attend(q: np.ndarray, pos: np.ndarray, step, attrs: dict) -> np.ndarray:
+    """Every query of ``q`` (rotated when the cache is) over its sequence's cached rows."""
+    h, kvh, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
+    window, layer, T = attrs.get("window"), attrs["layer"], q.shape[0]
+    per_kv = h // kvh
+    from ..quant.kv import QUANTIZED, attention_kv_formats, integer_scores, query_codes, quantized_pv
 
-    integer_k = kv_cache and kf in QUANTIZED
-    if integer_k:    # scores against int8/int4 K use the scaled query rounded to int16 (quant/kv.py)
-        q_scaled = (q.reshape(T, h, hd) * np.float32(attrs["scale"])).astype(np.float32)
-        q_int = quantize_query(q_scaled)
+    kf, vf, _ = attention_kv_formats(attrs)
+    integer_k = kf in QUANTIZED
+    integer_pv = integer_k and vf == "int8"
+    recent = attrs.get("kv_window", 0) if (kf in QUANTIZED or vf in QUANTIZED) else 0
+
+    def heads(x):                # [L, kvh, ...] -> [h, L, ...] float64 (each KV head for its query heads)
+        return np.ascontiguousarray(np.repeat(x, per_kv, axis=1).swapaxes(0, 1), dtype=np.float64)
 
     def by_head(x):              # [t, h * hd] or [t, h, hd] -> [h, t, hd] float64
         return np.ascontiguousarray(x.reshape(-1, h, hd).transpose(1, 0, 2), dtype=np.float64)
 
+    if integer_k:    # scores against int8/int4 K use the scaled query rounded to int16 (quant/kv.py)
+        q_scaled = (q.reshape(T, h, hd) * np.float32(attrs["scale"])).astype(np.float32)
+        q_codes, q_scale = query_codes(by_head(q_scaled).astype(np.float32))          # [h, T, hd], [h, T, 1]
+    out = np.empty((T, h, hd), dtype=np.float32)
     for s in np.unique(step.seq_ids):
         rows = np.nonzero(step.seq_ids == s)[0]
         p = pos[rows]
         length = int(p.max()) + 1
-        K, V = step.kv.read(layer, int(s), length)                             # [L, kvh, hd]
-        K, V = heads_last(K), heads_rows(V)
-        if integer_k:
-            scores = by_head(q_int[rows]) @ K                                   # [h, t, L]
+        K, V = (heads(x) for x in step.kv.read(layer, int(s), length))           # [h, L, hd]
+        if integer_pv:   # scores bit for bit as the kernels: probability codes depend on them
+            k_codes, k_scales = (heads(x) for x in step.kv.read(layer, int(s), length, "k_codes", "k_scales"))
+            scores = integer_scores(q_codes[:, rows], q_scale[:, rows], k_codes, k_scales.astype(np.float32))
+            scores = scores.astype(np.float64)                                    # [h, t, L]
+        elif integer_k:  # the same integer dot products, in float64
+            scores = (q_codes[:, rows] * q_scale[:, rows]) @ K.transpose(0, 2, 1)
         else:
-            scores = (by_head(q[rows]) @ K) * attrs["scale"]
-        j = np.arange(K.shape[-1])
-        if recent:       # positions p - kv_window < j <= p come from the f16 copy
-            Kr, Vr = (heads_last(x) if i == 0 else heads_rows(x)
-                      for i, x in enumerate(step.kv.read(layer, int(s), length, "recent_k", "recent_v")))
-            in_recent = (j[None, :] > p[:, None] - recent)[None]               # [1, t, L]
-            recent_scores = by_head(q_scaled[rows]) @ Kr if integer_k else (by_head(q[rows]) @ Kr) * attrs["scale"]
-            scores = np.where(in_recent, recent_scores, scores)
-        allowed = j[None, :] <= p[:, None]
+            scores = (by_head(q[rows]) @ K.transpose(0, 2, 1)) * attrs["scale"]
+        j = np.arange(length)
+        allowed = (j[None, :] <= p[:, None])[None]                                # [1, t, L]
         if window:
-            allowed &= j[None, :] > p[:, None] - window
-        scores = np.where(allowed[None], scores, -np.inf)
-        scores -= scores.max(axis=-1, keepdims=True)
-        prob = np.exp(scores)
+            allowed &= (j[None, :] > p[:, None] - window)[None]
+        in_recent = np.zeros_like(allowed)
+        if recent:       # positions p - kv_window < j <= p come from the f16 copy
+            Kr, Vr = (heads(x) for x in step.kv.read(layer, int(s), length, "recent_k", "recent_v"))
+            in_recent = (j[None, :] > p[:, None] - recent)[None] & allowed
+            query = by_head(q_scaled[rows]) if integer_k else by_head(q[rows]) * attrs["scale"]
+            scores = np.where(in_recent, query @ Kr.transpose(0, 2, 1), scores)
+        scores = np.where(allowed, scores, -np.inf)
+        top = scores.max(axis=-1, keepdims=True)
+        prob = np.exp(scores - top)
+        if integer_pv:   # int8 V from the store: probabilities as uint8 codes (quant/kv.quantized_pv)
+            v_codes, v_scales = (heads(x) for x in step.kv.read(layer, int(s), length, "v_codes", "v_scales"))
+            num, den = quantized_pv(scores.astype(np.float32), allowed & ~in_recent, v_codes, v_scales[..., 0], top)
+            if recent:
+                num += np.where(in_recent, prob, 0.0) @ Vr
+                den += np.where(in_recent, prob, 0.0).sum(axis=-1)
+            out[rows] = (num / den[..., None]).transpose(1, 0, 2)
+            continue
         prob /= prob.sum(axis=-1, keepdims=True)
         if recent:
             out[rows] = (np.where(in_recent, 0.0, prob) @ V + np.where(in_recent, prob, 0.0) @ Vr).transpose(1, 0, 2)
         else:
             out[rows] = (prob @ V).transpose(1, 0, 2)
-    return [out.reshape(T, h * hd)]
+    return out.reshape(T, h * hd)
 
 
 # =============================================================================================

@@ -34,6 +34,8 @@ KV_FORMATS = ("f32", "f16", "int8", "int4")
 QUANTIZED = ("int8", "int4")
 QMAX = {"int8": 127, "int4": 7}
 Q16_MAX = 32767                      # int16 query codes against an int8/int4 K
+P_GROUP = 16                         # key positions per probability scale (int8 V against an int8/int4 K)
+P_QMAX = 255                         # probabilities times V scales as uint8 codes
 MAX_HEAD_DIM = 512                   # int8 K: 512 x 32767 x 127 still fits an int32 score
 DEFAULT_GROUP = 32                   # int4 values per scale (or head_dim, when smaller)
 F16_MAX = 65504.0
@@ -139,6 +141,87 @@ def quantize_query(q_scaled: np.ndarray) -> np.ndarray:
     safe = np.where(scale > 0, scale, np.float32(1.0))
     codes = np.where(scale > 0, np.rint(q / safe), 0.0)
     return codes.astype(np.float64) * scale.astype(np.float64)
+
+
+def query_codes(q_scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int16 codes as float64 [..., head_dim], float32 scale [..., 1]) of ``quantize_query``."""
+    q = np.asarray(q_scaled, dtype=np.float32)
+    scale = (np.abs(q).max(axis=-1, keepdims=True) / np.float32(Q16_MAX)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    return np.where(scale > 0, np.rint(q / safe), 0.0).astype(np.float64), scale
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 a * b + c rounded once, as an FMA instruction (the product of two float32 is exact in
+    float64; the sum is rounded twice only when it needs more than 53 bits, which the kernels' operands
+    never come near)."""
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float32)
+
+
+def integer_scores(q_codes: np.ndarray, q_scale: np.ndarray, k_codes: np.ndarray, k_scales: np.ndarray) -> np.ndarray:
+    """Scores of int16 query codes against int8/int4 K codes, float32, bit for bit as the kernels:
+    per scale group g, ``s = fma(float(dot_g), q_scale * k_scale_g, s)`` from s = 0.
+
+    q_codes [h, t, d], q_scale [h, t, 1]; k_codes [h, L, d], k_scales [h, L, groups] -> [h, t, L]."""
+    d, groups = q_codes.shape[-1], k_scales.shape[-1]
+    size = d // groups
+    score = np.zeros(q_codes.shape[:2] + k_codes.shape[1:2], np.float32)
+    for g in range(groups):
+        cols = slice(g * size, (g + 1) * size)
+        dot = (q_codes[..., cols] @ k_codes[..., cols].transpose(0, 2, 1)).astype(np.float32)   # exact, then rounded
+        score = fma32(dot, (q_scale * k_scales[:, None, :, g]).astype(np.float32), score)
+    return score
+
+
+# e^x as the kernels compute it (templates/kernels/common.h.j2, ife_exp512: Cephes' polynomial)
+_EXP_LO, _EXP_HI = np.float32(-104.0), np.float32(88.3762626647949)
+_LOG2E, _LN2_HI, _LN2_LO = np.float32(1.44269504088896341), np.float32(0.693359375), np.float32(-2.12194440e-4)
+_EXP_P = [np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                  1.6666665459e-1, 5.0000001201e-1)]
+
+
+def exp_kernel(x: np.ndarray) -> np.ndarray:
+    """e^x in float32 with the operations of ``ife_exp512`` (and the scalar ``exp_kernel`` of the
+    attention_kvq template), so that probability codes agree with the kernels bit for bit."""
+    x = np.minimum(np.maximum(np.asarray(x, np.float32), _EXP_LO), _EXP_HI)
+    n = np.rint((x * _LOG2E).astype(np.float32))
+    r = fma32(-n, _LN2_HI, x)
+    r = fma32(-n, _LN2_LO, r)
+    p = np.full_like(x, _EXP_P[0])
+    for c in _EXP_P[1:]:
+        p = fma32(p, r, c)
+    p = fma32(p, (r * r).astype(np.float32), (r + np.float32(1.0)).astype(np.float32))
+    return np.ldexp(p, n.astype(np.int32)).astype(np.float32)
+
+
+def quantized_pv(scores: np.ndarray, store: np.ndarray, v_codes: np.ndarray, v_scales: np.ndarray,
+                 top: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """P·V over int8 V rows with the probabilities as uint8 codes, as the kernels compute it.
+
+    For each group of P_GROUP key positions (P_GROUP g .. P_GROUP g + P_GROUP - 1) and query head:
+    m = the group's largest score over the keys ``store`` selects, e_j = exp(s_j - m) (``exp_kernel``),
+    w_j = e_j * (key j's V scale), codes c_j = rint(w_j / t) with t = max w / 255, so
+    sum_j e^(s_j - top) v_j ~= e^(m - top) t sum_j c_j v_code_j: the inner sum is an integer dot
+    product (vpdpbusd). Returns (numerator [h, t, d], denominator [h, t]) relative to ``top``
+    (float64), the denominator from the unrounded e_j.
+
+    scores [h, t, L] float32 (exact, ``integer_scores``), store [h or 1, t, L] bool, v_codes [h, L, d],
+    v_scales [h, L], top [h, t, 1]."""
+    h, t, L = scores.shape
+    padded = -(-L // P_GROUP) * P_GROUP
+    pad = ((0, 0), (0, 0), (0, padded - L))
+    s = np.pad(scores, pad).reshape(h, t, -1, P_GROUP)
+    keep = np.pad(np.broadcast_to(store, scores.shape), pad).reshape(h, t, -1, P_GROUP)
+    m = np.where(keep, s, -np.inf).max(axis=-1, keepdims=True)                   # [h, t, groups, 1]
+    used = np.isfinite(m)
+    e = np.where(keep, exp_kernel(np.where(keep, s - np.where(used, m, 0), 0).astype(np.float32)), 0)
+    sv = np.pad(v_scales, ((0, 0), (0, padded - L))).reshape(h, 1, -1, P_GROUP).astype(np.float32)
+    w = (e * sv).astype(np.float32)
+    step = (w.max(axis=-1, keepdims=True) / np.float32(P_QMAX)).astype(np.float32)
+    codes = np.where(step > 0, np.rint((w / np.where(step > 0, step, 1)).astype(np.float32)), 0)
+    factor = np.where(used, np.exp(np.where(used, m, 0).astype(np.float64) - top[..., None]), 0.0)
+    weights = (codes * (step * factor)).reshape(h, t, padded)[..., :L]
+    return weights @ v_codes.astype(np.float64), (e * factor).sum(axis=(-1, -2))
 
 
 def dequantize(codes: np.ndarray, scales: np.ndarray, fmt: str, group: int | None = None) -> np.ndarray:

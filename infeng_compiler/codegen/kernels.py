@@ -249,7 +249,25 @@ def _plan_attention_kvq(p: dict[str, Any], isa: str) -> dict[str, Any]:
             "k_codes_bytes": B * kvh * codes[p["k_format"]], "v_codes_bytes": B * kvh * codes[p["v_format"]],
             "k_block_bytes": block_bytes(p["k_format"], B, kvh, hd, group),
             "v_block_bytes": block_bytes(p["v_format"], B, kvh, hd, group),
-            "tile": tile, "chunk_tiles": max(1, _KVQ_CHUNK_KEYS // tile), "split_below": _KVQ_SPLIT_BELOW}
+            "tile": tile, "chunk_tiles": max(1, _KVQ_CHUNK_KEYS // tile), "split_below": _KVQ_SPLIT_BELOW,
+            "k_chains": _kvq_score_chains(p)}
+
+
+#: Score accumulators in flight per KV head (query heads x chains per head): a vpdpwssd / FMA has
+#: 4-5 cycles of latency and two issue per cycle, so one chain per query head (3 for smollm135) left
+#: the score loop waiting on latency (perf: the loop's time sat on the accumulator moves). One layer of
+#: smollm135 at 2048 keys, one decode token, cache-resident, Zen 4: f16 72 -> 65 us, int8 56 -> 54 us.
+_KVQ_SCORE_CHAINS = 8
+
+
+def _kvq_score_chains(p: dict[str, Any]) -> int:
+    """Chains per query head: a power of two dividing both the dims and the dim pairs of a scale group."""
+    per_kv = p["n_heads"] // p["n_kv_heads"]
+    pairs = (p["group"] or p["head_dim"]) // 2 if p["k_format"] == "int4" else p["head_dim"] // 2
+    chains = 1
+    while chains * 2 * per_kv <= _KVQ_SCORE_CHAINS and pairs % (chains * 2) == 0 and p["head_dim"] % (chains * 2) == 0:
+        chains *= 2
+    return chains
 
 
 def _attention_kvq_variant(isa: str, p: dict[str, Any]) -> bool:

@@ -3,6 +3,7 @@
     python bench/kv.py speed --preset smollm135 --dtype f16 --kv f16,fht-int8,fht-int4 \\
         --contexts 128,1024,2048 --batch 1,8 --threads 2
     python bench/kv.py quality                  # stories260K + a head_dim-64 model with K outliers
+    python bench/kv.py quality --centre 0,1     # also with K centred on calibration text
 
 ``speed`` compiles the preset once per KV scheme, fills every sequence's cache with a ``ctx``-token
 prompt, then alternates rounds of ``--gen`` decode steps between the schemes (same machine state for
@@ -11,7 +12,9 @@ ms per step, KV bytes per token, KV bytes read per step, and the ratio to the fi
 
 ``quality`` runs the BENCHMARKS perplexity protocol (stories260K, first 100,000 bytes of wikitext-2
 test, ctx 256) for each scheme with and without an f16 window, against the f32-cache artifact:
-PPL, drift, mean KL divergence, top-1 agreement. Then the same KL/top-1 figures on a random-init
+PPL, drift, mean KL divergence, top-1 agreement. ``--centre 1`` compiles the int8/int4 schemes with
+``--calib`` (K mean-centring) on bytes 200,000-400,000 of the same file, disjoint from the evaluated
+text (``--centre 0,1``: both). Then the same KL/top-1 figures on a random-init
 Llama with head_dim 64 whose k_proj rows of a few channels are scaled up (the outlier channels of
 trained models), where per-token int4 without the rotation collapses.
 """
@@ -35,14 +38,26 @@ def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def artifact(model: Path, workdir: Path, kv: str, window: int = 0, dtype: str = "f32", target: str = "native") -> Path:
+CALIB = (200_000, 400_000)            # calibration bytes of WIKITEXT (as bench/quant_quality.py)
+
+
+def calib_text(workdir: Path) -> Path:
+    out = workdir / "calib-200k-400k.txt"
+    if not out.is_file():
+        out.write_bytes(WIKITEXT.read_bytes()[CALIB[0]:CALIB[1]])
+    return out
+
+
+def artifact(model: Path, workdir: Path, kv: str, window: int = 0, dtype: str = "f32", target: str = "native",
+             calib: Path | None = None) -> Path:
     from infeng_compiler.compile import CompileOptions, compile_model
 
-    out = workdir / f"{model.name}-{dtype}-kv{kv}-w{window}-{target}.infeng"
+    out = workdir / f"{model.name}-{dtype}-kv{kv}-w{window}-{target}{'-centred' if calib else ''}.infeng"
     t0 = time.perf_counter()
-    summary = compile_model(model, out, CompileOptions(target=target, dtype=dtype, kv=kv, kv_window=window))
+    summary = compile_model(model, out, CompileOptions(target=target, dtype=dtype, kv=kv, kv_window=window,
+                                                       calib=calib))
     emit(bench="compile", model=model.name, kv=kv, window=window, dtype=dtype, target=summary.target,
-         seconds=round(time.perf_counter() - t0, 2), cache_hit=summary.cache_hit,
+         centred=summary.kv_centred, seconds=round(time.perf_counter() - t0, 2), cache_hit=summary.cache_hit,
          kv_bytes_per_token=summary.kv_bytes_per_token)
     return out
 
@@ -60,7 +75,9 @@ def speed(args) -> None:
     if not (model / "config.json").is_file():
         build_preset(args.preset, model)
     schemes = args.kv.split(",")
-    arts = {kv: artifact(model, workdir, kv, args.window if kv not in ("f32", "f16") else 0, args.dtype, args.target)
+    calib = calib_text(workdir) if args.centre else None
+    arts = {kv: artifact(model, workdir, kv, args.window if kv not in ("f32", "f16") else 0, args.dtype, args.target,
+                         calib if kv.endswith(("int8", "int4")) else None)
             for kv in schemes}
     emit(bench="bandwidth", threads=args.threads, gb_s=round(measure_bandwidth(args.threads), 2))
     rng = np.random.default_rng(0)
@@ -146,26 +163,32 @@ def quality(args) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     schemes = args.kv.split(",")
     windows = [int(w) for w in args.windows.split(",")]
+    centres = [bool(int(c)) for c in args.centre.split(",")]
+    calib = calib_text(workdir)
     text = read_text(WIKITEXT, args.max_bytes)
+
+    def variants():              # (kv, window, centred) per scheme: windows and centring for int8/int4 only
+        for kv in schemes:
+            quantized = kv.endswith(("int8", "int4"))
+            for window in windows if quantized else [0]:
+                for centred in centres if quantized else [False]:
+                    yield kv, window, centred
+
     stories = ASSETS / "models" / "stories260K"
-    base = artifact(stories, workdir, "f32") if "stories" in args.models else None
-    for kv in schemes if base else []:
-        for window in windows:
-            if window and kv in ("f32", "f16"):
-                continue
-            emit(bench="quality", model="stories260K", kv=kv, window=window, ctx=256,
-                 **evaluate(artifact(stories, workdir, kv, window), base, text, 256))
+    if "stories" in args.models:
+        base = artifact(stories, workdir, "f32")
+        for kv, window, centred in variants():
+            emit(bench="quality", model="stories260K", kv=kv, window=window, centred=centred, ctx=256,
+                 **evaluate(artifact(stories, workdir, kv, window, calib=calib if centred else None), base, text, 256))
     if "outliers" not in args.models:
         return
     model = outlier_model(workdir / f"outliers-hd64-x{args.outliers:g}", args.outliers)
     base = artifact(model, workdir, "f32")
-    for kv in schemes:
-        for window in windows:
-            if window and kv in ("f32", "f16"):
-                continue
-            result = evaluate(artifact(model, workdir, kv, window), base, text[:args.outlier_bytes], 256)
-            emit(bench="quality", model=model.name, kv=kv, window=window, ctx=256,
-                 **{k: result[k] for k in ("kld", "kld_max", "top1", "chunks", "kv_bytes_per_token")})
+    for kv, window, centred in variants():
+        result = evaluate(artifact(model, workdir, kv, window, calib=calib if centred else None), base,
+                          text[:args.outlier_bytes], 256)
+        emit(bench="quality", model=model.name, kv=kv, window=window, centred=centred, ctx=256,
+             **{k: result[k] for k in ("kld", "kld_max", "top1", "chunks", "kv_bytes_per_token")})
 
 
 def main() -> int:
@@ -178,6 +201,7 @@ def main() -> int:
     sp.add_argument("--target", default="native")
     sp.add_argument("--kv", default="f16,fht-int8,fht-int4", help="schemes; ratios are against the first")
     sp.add_argument("--window", type=int, default=0, help="--kv-window for the int8/int4 schemes")
+    sp.add_argument("--centre", type=int, default=0, help="1: int8/int4 schemes with K centred (--calib)")
     sp.add_argument("--contexts", default="128,1024,2048")
     sp.add_argument("--batch", default="1", help="sequences decoded together, e.g. 1,8")
     sp.add_argument("--gen", type=int, default=32, help="decode steps per round")
@@ -188,6 +212,7 @@ def main() -> int:
     qp.add_argument("--kv", default="f16,int8,fht-int8,int4,fht-int4")
     qp.add_argument("--models", default="stories,outliers", help="stories (stories260K), outliers (head_dim 64)")
     qp.add_argument("--windows", default="0,32", help="f16 windows to try for the int8/int4 schemes")
+    qp.add_argument("--centre", default="0,1", help="K centring to try for the int8/int4 schemes (0, 1 or 0,1)")
     qp.add_argument("--max-bytes", type=int, default=100_000)
     qp.add_argument("--outliers", type=float, default=8.0, help="k_proj outlier rows scale (head_dim 64 model)")
     qp.add_argument("--outlier-bytes", type=int, default=50_000, help="text for the outlier model's KLD")

@@ -100,6 +100,27 @@ def test_only_weights_of_one_format_fuse() -> None:
     assert "%l0.q_v = linear(%l0.n, @q+v, @qb+vb)" in text and "%l0.k = linear(%l0.n, @k, @kb)" in text
 
 
+def test_weights_of_one_format_fuse_whatever_their_source_dtype() -> None:
+    """A V projection with a folded rotation is an f32 array while q and k come from bf16/f16 files:
+    in one storage format they still fuse, stacked as stored."""
+    from infeng_compiler.ir import Weight
+    from infeng_compiler.ir.types import TensorType
+
+    before = attn_graph()
+    k = before.weights["k"]
+    half = Weight("k", TensorType("f16", k.type.shape), array=k.raw().astype(np.float16))
+    before.weights["k"] = half
+    for node in before.nodes:
+        node.weights = [half if w is k else w for w in node.weights]
+    for name in ("q", "k", "v"):
+        before.weights[name].attrs["format"] = "f16"
+    after = run(before, "fuse-linears")
+    fused = after.weights["q+k+v"]
+    assert fused.type.dtype == "f16" and fused.format == "f16"
+    parts = [attn_graph().weights[n].raw().astype(np.float16) for n in ("q", "k", "v")]
+    assert np.array_equal(fused.stored(), np.concatenate(parts))
+
+
 def test_compiled_model_with_fused_linears_matches_interpreter(tmp_path, hf_checkpoint) -> None:
     """The default pipeline ends with fuse-linears (test_compiled.py checks every family this way)."""
     from infeng_compiler.compile import CompileOptions, compile_model

@@ -1,6 +1,6 @@
 """Pass ``fuse-linears``: sibling linears become one.
 
-The ``linear`` nodes that read the same value with weights in the same format (Q, K and V after
+The ``linear`` nodes that read the same value with weights in the same storage format (Q, K and V after
 the attention norm; gate and up after the MLP norm) are replaced by one ``linear`` over their
 weights stacked along the output axis, followed by a ``split`` that gives each old result back
 under its old name. A decode step then streams one matrix per site instead of three (or two):
@@ -40,7 +40,7 @@ class FuseLinears:
         for node in graph.nodes:
             if node.op == "linear":
                 w = node.weights[0]
-                key = (node.inputs[0].name, w.format, w.type.dtype, len(node.weights))
+                key = (node.inputs[0].name, w.format, len(node.weights))
                 siblings.setdefault(key, []).append(node)
         groups = [nodes for nodes in siblings.values() if len(nodes) > 1]
         for nodes in groups:
@@ -81,5 +81,6 @@ def stack(parts: list[Weight]) -> Weight:
                                 np.concatenate([q.codes for q in qts]), np.concatenate([q.scales for q in qts]),
                                 None if qts[0].zeros is None else np.concatenate([q.zeros for q in qts]))
         return Weight(name, first.type.__class__(first.type.dtype, shape), attrs=attrs, quant=quant)
-    return Weight(name, first.type.__class__(first.type.dtype, shape),
-                  array=np.concatenate([np.asarray(p.raw()) for p in parts]), attrs=attrs)
+    # float formats: the parts as stored (their sources may differ: a folded rotation is f32)
+    return Weight(name, first.type.__class__(first.format, shape),
+                  array=np.concatenate([p.stored() for p in parts]), attrs=attrs)

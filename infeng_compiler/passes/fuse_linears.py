@@ -62,8 +62,8 @@ class FuseLinears:
         name = graph.fresh(f"{prefix}.{'_'.join(v.name[len(prefix) + 1:] for v in outs)}" if prefix
                            else "_".join(v.name for v in outs))
         linear = graph.add_node("linear", [nodes[0].inputs[0]], weights, name=name)
-        split = Node("split", [linear.output], [], outs, {"sizes": sizes})
-        graph.nodes.pop()
+        graph.nodes.pop()                       # placed below, where the first sibling was
+        split = Node("split", [linear.output], [], outs, {"sizes": sizes})     # the old values, by name
         at = graph.nodes.index(nodes[0])
         graph.nodes = [n for n in graph.nodes if not any(n is m for m in nodes)]
         graph.nodes[at:at] = [linear, split]

@@ -40,6 +40,7 @@ import numpy as np
 
 from ..errors import InfengError
 from ..ir import Graph, Node, TensorType, Weight
+from ..quant.calibrate import calibration_args
 from ..quant.kv import KV_FORMATS, QUANTIZED, check_format, default_group, hadamard, is_power_of_two
 from .manager import register
 
@@ -273,13 +274,7 @@ def kv_entry(scheme: str, window: int = 0, calib: str | Path | None = None,
         return None
     args = [fmt] + ([f"window={window}"] if window else [])
     if calib is not None and fmt in QUANTIZED:
-        if not Path(calib).is_file():
-            raise InfengError(f"{calib}: calibration text file not found")
-        args.append(f"calib={Path(calib).resolve()}")
-        if calib_max_bytes is not None:
-            if calib_max_bytes <= 0:
-                raise InfengError(f"--calib-max-bytes must be positive, got {calib_max_bytes}")
-            args.append(f"calib_max_bytes={calib_max_bytes}")
+        args += calibration_args(calib, calib_max_bytes)
     return ("fht-kv" if rotate else "kv-format", args)
 
 

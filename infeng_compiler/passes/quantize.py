@@ -39,6 +39,7 @@ import numpy as np
 from ..errors import InfengError
 from ..ir import Graph, Node
 from ..quant.act import ACT_FORMS
+from ..quant.calibrate import calibration_args
 from ..quant.formats import get_format, is_quantized
 from ..quant.policy import GROUPS, PRESETS, QuantPolicy, check_format
 from ..quant.search import quantize
@@ -292,13 +293,7 @@ def quantize_entry(quant: str | None = None, policy: str | Path | None = None, c
     if policy is not None:
         args.append(f"policy={Path(policy).resolve()}")
     if calib is not None:
-        if not Path(calib).is_file():
-            raise InfengError(f"{calib}: calibration text file not found")
-        args.append(f"calib={Path(calib).resolve()}")
-    if calib_max_bytes is not None:
-        if calib_max_bytes <= 0:
-            raise InfengError(f"--calib-max-bytes must be positive, got {calib_max_bytes}")
-        args.append(f"calib_max_bytes={calib_max_bytes}")
+        args += calibration_args(calib, calib_max_bytes)
     Quantize(*args)                      # validates the arguments and the policy file now
     return ("quantize", args)
 

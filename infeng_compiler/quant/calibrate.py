@@ -38,6 +38,19 @@ class ActStats:
         return ActStats(self.tokens, self.abs_mean * inv, self.gram * inv[:, None] * inv[None, :])
 
 
+def calibration_args(calib: str | Path, calib_max_bytes: int | None) -> list[str]:
+    """The ``calib=``/``calib_max_bytes=`` pipeline arguments for ``--calib``/``--calib-max-bytes``,
+    checked now (the file exists, the byte count is positive)."""
+    if not Path(calib).is_file():
+        raise InfengError(f"{calib}: calibration text file not found")
+    args = [f"calib={Path(calib).resolve()}"]
+    if calib_max_bytes is not None:
+        if calib_max_bytes <= 0:
+            raise InfengError(f"--calib-max-bytes must be positive, got {calib_max_bytes}")
+        args.append(f"calib_max_bytes={calib_max_bytes}")
+    return args
+
+
 def calibration_ids(tokenizer, path: str | Path, max_bytes: int | None, ctx: int) -> np.ndarray:
     """The calibration text as [chunks, ctx] token ids, BOS first in every chunk."""
     from ..evaluate import chunk_tokens, read_text

@@ -351,8 +351,12 @@ STEPS = [  # (slot, positions) per step: prefill, decode, mixed batches, a long 
     [(2, range(1, 20)), (0, range(15, 16))],
     [(0, range(16, 17)), (1, range(10, 11)), (2, range(20, 21))],
     [(0, range(17, 18))],
+    # a long context in chunks of <= MAX_STEP_TOKENS, then decode: a token's keys split across threads
+    *[[(1, range(p, p + 32))] for p in range(11, 139, 32)],
+    [(1, range(139, 140)), (0, range(18, 19))],
 ]
 MAX_STEP_TOKENS = 32
+MAX_POSITIONS = 140
 
 
 def kernel_spec(isa: str, case) -> KernelSpec:
@@ -395,7 +399,7 @@ def test_attention_kvq_kernel(kvq_lib, case):
     v_bytes = kvq.block_bytes(v_format, block, kvh, hd, group or None)
     rng = np.random.default_rng(hd * block + kv_window)
     seq_ids = {0: 11, 1: 22, 2: 33}                   # slot -> interpreter sequence
-    max_blocks = 40 // block + 1
+    max_blocks = MAX_POSITIONS // block + 1
     n_blocks = len(seq_ids) * max_blocks + 3
     table = rng.permutation(n_blocks)[: len(seq_ids) * max_blocks].astype(np.int32).reshape(len(seq_ids), -1)
     k_cache = rng.integers(0, 256, n_blocks * k_bytes).astype(np.uint8)       # stale bytes, never read

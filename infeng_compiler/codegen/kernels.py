@@ -232,8 +232,11 @@ _KVQ_TILE = 16                 # also quant.kv.P_GROUP: a tile is one probabilit
 #: contiguous ring columns, and every tile it uses (16 keys, or a whole block of 2, 4 or 8) divides it,
 #: so no tile wraps around the ring whatever the block size.
 KVQ_RING_ALIGN = _KVQ_TILE
-_KVQ_CHUNK_KEYS = 256
+_KVQ_MIN_CHUNK_KEYS = 64
 _KVQ_SPLIT_BELOW = 4
+#: Cache blocks read ahead by software prefetch, and the cache level they are brought to.
+_KVQ_PREFETCH_BLOCKS = 2
+_KVQ_PREFETCH_HINT = "_MM_HINT_T1"
 
 
 def _plan_attention_kvq(p: dict[str, Any], isa: str) -> dict[str, Any]:
@@ -249,7 +252,8 @@ def _plan_attention_kvq(p: dict[str, Any], isa: str) -> dict[str, Any]:
             "k_codes_bytes": B * kvh * codes[p["k_format"]], "v_codes_bytes": B * kvh * codes[p["v_format"]],
             "k_block_bytes": block_bytes(p["k_format"], B, kvh, hd, group),
             "v_block_bytes": block_bytes(p["v_format"], B, kvh, hd, group),
-            "tile": tile, "chunk_tiles": max(1, _KVQ_CHUNK_KEYS // tile), "split_below": _KVQ_SPLIT_BELOW,
+            "tile": tile, "min_chunk_tiles": max(1, _KVQ_MIN_CHUNK_KEYS // tile), "split_below": _KVQ_SPLIT_BELOW,
+            "prefetch_blocks": _KVQ_PREFETCH_BLOCKS, "prefetch_hint": _KVQ_PREFETCH_HINT,
             "k_chains": _kvq_score_chains(p)}
 
 

@@ -49,14 +49,15 @@ def calib_text(workdir: Path) -> Path:
 
 
 def artifact(model: Path, workdir: Path, kv: str, window: int = 0, dtype: str = "f32", target: str = "native",
-             calib: Path | None = None) -> Path:
+             calib: Path | None = None, quant: str | None = None) -> Path:
     from infeng_compiler.compile import CompileOptions, compile_model
 
-    out = workdir / f"{model.name}-{dtype}-kv{kv}-w{window}-{target}{'-centred' if calib else ''}.infeng"
+    weights = quant or dtype
+    out = workdir / f"{model.name}-{weights}-kv{kv}-w{window}-{target}{'-centred' if calib else ''}.infeng"
     t0 = time.perf_counter()
     summary = compile_model(model, out, CompileOptions(target=target, dtype=dtype, kv=kv, kv_window=window,
-                                                       calib=calib))
-    emit(bench="compile", model=model.name, kv=kv, window=window, dtype=dtype, target=summary.target,
+                                                       calib=calib, quant=quant))
+    emit(bench="compile", model=model.name, kv=kv, window=window, weights=weights, target=summary.target,
          centred=summary.kv_centred, seconds=round(time.perf_counter() - t0, 2), cache_hit=summary.cache_hit,
          kv_bytes_per_token=summary.kv_bytes_per_token)
     return out
@@ -77,7 +78,7 @@ def speed(args) -> None:
     schemes = args.kv.split(",")
     calib = calib_text(workdir) if args.centre else None
     arts = {kv: artifact(model, workdir, kv, args.window if kv not in ("f32", "f16") else 0, args.dtype, args.target,
-                         calib if kv.endswith(("int8", "int4")) else None)
+                         calib if kv.endswith(("int8", "int4")) else None, args.quant)
             for kv in schemes}
     emit(bench="bandwidth", threads=args.threads, gb_s=round(measure_bandwidth(args.threads), 2))
     rng = np.random.default_rng(0)
@@ -107,7 +108,7 @@ def speed(args) -> None:
                 median = statistics.median(tok_s)
                 first = first or median
                 per_token = engines[kv].manifest["kv"]["bytes_per_token"]
-                emit(bench="decode", kv=kv, ctx=ctx, batch=batch, threads=engines[kv].threads,
+                emit(bench="decode", weights=args.quant or args.dtype, kv=kv, ctx=ctx, batch=batch, threads=engines[kv].threads,
                      tok_s=round(median, 2), tok_s_best=round(max(tok_s), 2),
                      ms_per_step=round(1e3 * statistics.median(times) / args.gen, 3),
                      kv_bytes_per_token=per_token, kv_mb_read_per_step=round(batch * ctx * per_token / 1e6, 2),
@@ -198,6 +199,7 @@ def main() -> int:
     sp.add_argument("--preset", default="smollm135")
     sp.add_argument("--model", help="a Hugging Face model dir instead of a preset")
     sp.add_argument("--dtype", default="f16", help="weight storage (f32, f16, bf16)")
+    sp.add_argument("--quant", help="quantized weights instead (int8, int4; infeng compile --quant)")
     sp.add_argument("--target", default="native")
     sp.add_argument("--kv", default="f16,fht-int8,fht-int4", help="schemes; ratios are against the first")
     sp.add_argument("--window", type=int, default=0, help="--kv-window for the int8/int4 schemes")

@@ -82,7 +82,10 @@ def test_quantized_rows_round_to_half_a_step(fmt, group):
     step = np.repeat(scales, 64 // scales.shape[-1], axis=-1)
     assert np.all(np.abs(back - x) <= step / 2 + 1e-6 * np.abs(x))
     assert not back[7].any()
-    assert kvq.row_bytes(fmt, 64, group) == {"int8": 66, "int4": 32 + 2 * 64 // (group or 64)}[fmt]
+    scale_bytes = 16 * 2 * (64 // (group or 64))                  # a block of 16 rows, one head
+    assert kvq.block_bytes(fmt, 16, 1, 64, group) == -(-(16 * {"int8": 64, "int4": 32}[fmt] + scale_bytes) // 64) * 64
+    # int8 V codes are kept 4 rows to a dim: a block of 6 rows holds 8 rows of codes
+    assert kvq.codes_bytes(fmt, 6, 2, 64, value=True) == (8 * 2 * 64 if fmt == "int8" else 6 * 2 * 32)
 
 
 def attention_ref(q, k, v, attrs, k_mean=None):

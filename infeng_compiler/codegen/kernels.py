@@ -241,17 +241,17 @@ _KVQ_PREFETCH_HINT = "_MM_HINT_T1"
 
 def _plan_attention_kvq(p: dict[str, Any], isa: str) -> dict[str, Any]:
     """Block byte layout (quant/kv.py) and, for AVX-512, tiles of keys and the decode split."""
-    from ..quant.kv import P_GROUP, QUANTIZED, block_bytes, fht_norm
+    from ..quant.kv import P_GROUP, QUANTIZED, V_QUAD, block_bytes, codes_bytes, fht_norm
 
     B, kvh, hd = p["block_size"], p["n_kv_heads"], p["head_dim"]
     group = p["group"] or hd
-    codes = {"f32": 4 * hd, "f16": 2 * hd, "int8": hd, "int4": hd // 2}
     tile = _KVQ_TILE if B % _KVQ_TILE == 0 else B
     return {"qgroup": group, "fht_norm": float(fht_norm(hd)),
             "int_pv": p["k_format"] in QUANTIZED and p["v_format"] == "int8", "p_group": P_GROUP,
-            "k_codes_bytes": B * kvh * codes[p["k_format"]], "v_codes_bytes": B * kvh * codes[p["v_format"]],
+            "k_codes_bytes": codes_bytes(p["k_format"], B, kvh, hd),
+            "v_codes_bytes": codes_bytes(p["v_format"], B, kvh, hd, value=True), "v_quad": V_QUAD,
             "k_block_bytes": block_bytes(p["k_format"], B, kvh, hd, group),
-            "v_block_bytes": block_bytes(p["v_format"], B, kvh, hd, group),
+            "v_block_bytes": block_bytes(p["v_format"], B, kvh, hd, group, value=True),
             "tile": tile, "min_chunk_tiles": max(1, _KVQ_MIN_CHUNK_KEYS // tile), "split_below": _KVQ_SPLIT_BELOW,
             "prefetch_blocks": _KVQ_PREFETCH_BLOCKS, "prefetch_hint": _KVQ_PREFETCH_HINT,
             "k_chains": _kvq_score_chains(p)}

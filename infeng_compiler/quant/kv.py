@@ -41,6 +41,7 @@ DEFAULT_GROUP = 32                   # int4 values per scale (or head_dim, when 
 F16_MAX = 65504.0
 SCALE_BYTES = 2                      # scales are f16
 BLOCK_ALIGN = 64                     # every layer's K (and V) block starts 64-byte aligned
+V_QUAD = 4                           # int8 V: codes of 4 keys side by side per dim
 
 
 def is_power_of_two(n: int) -> bool:
@@ -244,15 +245,18 @@ def store_rows(x: np.ndarray, fmt: str, group: int | None = None) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------
 # block layout (bytes); the C layout is described in docs/kv-cache.md and templates/kernels/attention_kvq
-def row_bytes(fmt: str, head_dim: int, group: int | None) -> int:
-    """Bytes one (token, head) row takes in a block, scales included."""
-    return {"f32": 4 * head_dim, "f16": 2 * head_dim, "int8": head_dim + SCALE_BYTES,
-            "int4": head_dim // 2 + SCALE_BYTES * groups_per_row("int4", head_dim, group)}[fmt]
+def codes_bytes(fmt: str, block_size: int, n_kv_heads: int, head_dim: int, value: bool = False) -> int:
+    """Bytes of a block's codes (its values, for f32/f16), before the scales. int8 V codes are kept
+    V_QUAD keys to a dim (one 32-bit lane of vpdpbusd), so their rows are padded to a multiple of V_QUAD."""
+    rows = -(-block_size // V_QUAD) * V_QUAD if value and fmt == "int8" else block_size
+    return rows * n_kv_heads * {"f32": 4 * head_dim, "f16": 2 * head_dim, "int8": head_dim, "int4": head_dim // 2}[fmt]
 
 
-def block_bytes(fmt: str, block_size: int, n_kv_heads: int, head_dim: int, group: int | None) -> int:
-    """Bytes of one layer's K (or V) block of ``block_size`` tokens, padded to 64 bytes."""
-    n = block_size * n_kv_heads * row_bytes(fmt, head_dim, group)
+def block_bytes(fmt: str, block_size: int, n_kv_heads: int, head_dim: int, group: int | None,
+                value: bool = False) -> int:
+    """Bytes of one layer's K (or, value=True, V) block of ``block_size`` tokens, padded to 64 bytes."""
+    scales = block_size * n_kv_heads * SCALE_BYTES * groups_per_row(fmt, head_dim, group) if fmt in QUANTIZED else 0
+    n = codes_bytes(fmt, block_size, n_kv_heads, head_dim, value) + scales
     return -(-n // BLOCK_ALIGN) * BLOCK_ALIGN
 
 
@@ -276,7 +280,7 @@ def layer_block_bytes(attrs: dict, block_size: int) -> tuple[int, int]:
     if plain_f32(attrs):
         return (block_size * kvh * hd * 4,) * 2
     k, v, group = attention_kv_formats(attrs)
-    return block_bytes(k, block_size, kvh, hd, group), block_bytes(v, block_size, kvh, hd, group)
+    return block_bytes(k, block_size, kvh, hd, group), block_bytes(v, block_size, kvh, hd, group, value=True)
 
 
 def graph_kv_bytes_per_token(graph, block_size: int) -> float:

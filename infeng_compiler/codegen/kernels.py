@@ -234,11 +234,12 @@ _KVQ_TILE = 16                 # also quant.kv.P_GROUP: a tile is one probabilit
 KVQ_RING_ALIGN = _KVQ_TILE
 _KVQ_MIN_CHUNK_KEYS = 64
 _KVQ_SPLIT_BELOW = 4
-#: Cache blocks read ahead by software prefetch when K or V is quantized, and the cache level they are
-#: brought to. Each KV head's tile of an int8 block reads codes, then scales at the block's end (K and
-#: V): the hardware prefetcher did not follow it (30 layers of smollm135 at 2048 keys, one thread,
-#: from DRAM: 3.7 ms without, 1.4 ms with; L1 instead of L2: 2.7-2.9 ms; 1-8 blocks ahead within
-#: noise). Plain f16 blocks stream without it (2.55-2.73 ms without, 2.71-3.0 ms with).
+#: Cache blocks read ahead by software prefetch, and the cache level they are brought to. The hardware
+#: prefetcher does not follow a block's reads well: each KV head's tile of an int8 block reads codes,
+#: then scales at the block's end (30 layers of smollm135 at 2048 keys, one thread, from DRAM: 3.7 ms
+#: without, 1.4 ms with; L1 instead of L2: 2.7-2.9 ms; 1-8 blocks ahead within noise), and an f16
+#: block of 8 KV heads reads V rows 1 KiB apart (llama1b, `bench/attention.py`: 7.6 -> 5.3 ms on one
+#: thread, 5.8 -> 3.4 ms on two); smollm135's f16 blocks (3 heads) are within noise either way.
 _KVQ_PREFETCH_BLOCKS = 2
 _KVQ_PREFETCH_HINT = "_MM_HINT_T1"
 
@@ -250,7 +251,6 @@ def _plan_attention_kvq(p: dict[str, Any], isa: str) -> dict[str, Any]:
     B, kvh, hd = p["block_size"], p["n_kv_heads"], p["head_dim"]
     group = p["group"] or hd
     tile = _KVQ_TILE if B % _KVQ_TILE == 0 else B
-    quantized = p["k_format"] in QUANTIZED or p["v_format"] in QUANTIZED
     return {"qgroup": group, "fht_norm": float(fht_norm(hd)),
             "int_pv": p["k_format"] in QUANTIZED and p["v_format"] == "int8", "p_group": P_GROUP,
             "k_codes_bytes": codes_bytes(p["k_format"], B, kvh, hd),
@@ -258,7 +258,7 @@ def _plan_attention_kvq(p: dict[str, Any], isa: str) -> dict[str, Any]:
             "k_block_bytes": block_bytes(p["k_format"], B, kvh, hd, group),
             "v_block_bytes": block_bytes(p["v_format"], B, kvh, hd, group, value=True),
             "tile": tile, "min_chunk_tiles": max(1, _KVQ_MIN_CHUNK_KEYS // tile), "split_below": _KVQ_SPLIT_BELOW,
-            "prefetch_blocks": _KVQ_PREFETCH_BLOCKS if quantized else 0, "prefetch_hint": _KVQ_PREFETCH_HINT,
+            "prefetch_blocks": _KVQ_PREFETCH_BLOCKS, "prefetch_hint": _KVQ_PREFETCH_HINT,
             "k_chains": _kvq_score_chains(p)}
 
 

@@ -341,6 +341,9 @@ KERNEL_CASES = [  # heads, kv heads, head_dim, block, sliding window, K, V, int4
     (3, 3, 40, 4, 0, "f32", "int8", 0, False, 0, False),
     (6, 2, 24, 8, 5, "int8", "f16", 0, False, 4, True),
     (4, 4, 16, 6, 0, "int8", "int4", 16, False, 5, False),
+    # int8 V in blocks that are not a multiple of its 4 rows per dim (padded)
+    (4, 2, 16, 6, 0, "f16", "int8", 0, False, 0, False),
+    (2, 1, 16, 2, 0, "f16", "int8", 0, False, 0, False),
     # int8 V against an int8/int4 K: probability codes (uint8, per 16 positions), integer P.V
     (4, 2, 64, 16, 0, "int8", "int8", 0, True, 8, True),
     (6, 2, 128, 32, 0, "int4", "int8", 32, False, 0, False),
@@ -399,7 +402,7 @@ def test_attention_kvq_kernel(kvq_lib, case):
     if kv_window:
         attrs["kv_window"] = kv_window
     k_bytes = kvq.block_bytes(k_format, block, kvh, hd, group or None)
-    v_bytes = kvq.block_bytes(v_format, block, kvh, hd, group or None)
+    v_bytes = kvq.block_bytes(v_format, block, kvh, hd, group or None, value=True)
     rng = np.random.default_rng(hd * block + kv_window)
     seq_ids = {0: 11, 1: 22, 2: 33}                   # slot -> interpreter sequence
     max_blocks = MAX_POSITIONS // block + 1

@@ -30,6 +30,8 @@ A summary of formats and bytes is left in ``ctx["quant_report"]``.
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,16 +166,23 @@ class Quantize:
                 awq_done = apply_awq(graph, stats, quantized)
             ctx["calib_tokens"] = int(chunks.size)
         grams = _grams(graph, stats) if stats else {}
+
+        def quantize_weight(name: str, fmt: str):
+            if self.gptq and name in grams:
+                from ..quant.gptq import gptq_quantize
+
+                return gptq_quantize(_source_f32(graph.weights[name]), get_format(fmt), grams[name])
+            return quantize(_source_f32(graph.weights[name]), get_format(fmt), search=self.clip, gram=grams.get(name))
+
+        # one tensor per thread: each search is independent (numpy releases the GIL), results in order
+        todo = [(name, a.format) for name, a in assignment.items() if is_quantized(a.format)]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+            quants = dict(zip((name for name, _ in todo), pool.map(lambda job: quantize_weight(*job), todo)))
         reports = []
         for name, a in assignment.items():
             w = graph.weights[name]
             if is_quantized(a.format):
-                if self.gptq and name in grams:
-                    from ..quant.gptq import gptq_quantize
-
-                    w.quant = gptq_quantize(_source_f32(w), get_format(a.format), grams[name])
-                else:
-                    w.quant = quantize(_source_f32(w), get_format(a.format), search=self.clip, gram=grams.get(name))
+                w.quant = quants[name]
                 nbytes = get_format(a.format).nbytes(tuple(w.type.shape))
             else:
                 w.quant = None

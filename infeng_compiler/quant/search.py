@@ -46,8 +46,9 @@ def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
     ratios = ratios if search else (1.0,)
 
     errors, choices = [], []
+    d = np.empty_like(wg)                                        # one buffer for every candidate
     for scales, zeros, deq in _candidates(wg, fmt, ratios):
-        d = wg - deq                                              # float32, exact difference
+        np.subtract(wg, deq, out=d)                               # float32, exact difference
         if weight is None:
             err = np.einsum("ngk,ngk->ng", d, d, dtype=np.float64)
         elif weight.ndim == 2:                                   # diagonal [ng, G]
@@ -105,7 +106,8 @@ def _round(wg: np.ndarray, fmt: QuantFormat, scales: np.ndarray, zeros: np.ndarr
 
 
 def _candidates(wg: np.ndarray, fmt: QuantFormat, ratios: tuple[float, ...]):
-    """Yield (scales [N,ng] storage dtype, zeros or None, dequantized f32 [N,ng,G]) per candidate."""
+    """Yield (scales [N,ng] storage dtype, zeros or None, dequantized f32 [N,ng,G]) per candidate; the
+    symmetric candidates share one dequantized array (each is consumed before the next is made)."""
     amax = np.abs(wg).max(axis=2)
     if fmt.kind == "fp8":
         for r in ratios:
@@ -130,12 +132,14 @@ def _candidates(wg: np.ndarray, fmt: QuantFormat, ratios: tuple[float, ...]):
         idx = np.abs(wg).argmax(axis=2)[..., None]
         extreme = np.take_along_axis(wg, idx, axis=2)[..., 0]
         bases.insert(0, -extreme / np.float32(-fmt.qmin))           # the extreme maps to code -8
+    q = np.empty_like(wg)                                    # reused: the caller is done with it on resuming
     for base in bases:
         for r in ratios:
             s = _to_scale(base * np.float32(r), fmt)
             sf = s.astype(np.float32)
             safe = np.where(sf == 0, np.float32(1), sf)
-            q = np.rint(wg / safe[..., None])
+            np.divide(wg, safe[..., None], out=q)
+            np.rint(q, out=q)
             np.clip(q, fmt.qmin, fmt.qmax, out=q)
             q *= sf[..., None]                               # a zero scale gives zeros
             yield s, None, q

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             q1, k1, v1, out1 = q[:1].copy(), k[:1].copy(), v[:1].copy(), out[:1].copy()
             pos1 = np.array([ctx], np.int32)
             out1_ptr = ptr(out1)
-            layer_ptrs = [(ptr(row[:n_blocks * kb], "uint8_t *"), ptr(row[n_blocks * kb:], "uint8_t *")) for row in cache]
+            layer_ptrs = [(ptr(row[:n_blocks * kb], "uint8_t *"), ptr(row[n_blocks * kb:], "uint8_t *"))
+                          for row in cache]
             step_args = (ptr(q1), ptr(k1), ptr(v1), ffi.NULL, 1, ptr(pos1, "int32_t *"), ptr(seq[:1], "int32_t *"),
                          ptr(table, "int32_t *"), n_blocks)
             for threads in (int(t) for t in args.threads.split(",")):

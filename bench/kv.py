@@ -108,7 +108,8 @@ def speed(args) -> None:
                 median = statistics.median(tok_s)
                 first = first or median
                 per_token = engines[kv].manifest["kv"]["bytes_per_token"]
-                emit(bench="decode", weights=args.quant or args.dtype, kv=kv, ctx=ctx, batch=batch, threads=engines[kv].threads,
+                emit(bench="decode", weights=args.quant or args.dtype, kv=kv, ctx=ctx, batch=batch,
+                     threads=engines[kv].threads,
                      tok_s=round(median, 2), tok_s_best=round(max(tok_s), 2),
                      ms_per_step=round(1e3 * statistics.median(times) / args.gen, 3),
                      kv_bytes_per_token=per_token, kv_mb_read_per_step=round(batch * ctx * per_token / 1e6, 2),

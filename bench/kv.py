@@ -8,7 +8,10 @@
 ``speed`` compiles the preset once per KV scheme, fills every sequence's cache with a ``ctx``-token
 prompt, then alternates rounds of ``--gen`` decode steps between the schemes (same machine state for
 all), and prints one JSON line per (scheme, context, batch): decode tok/s (median and best round),
-ms per step, KV bytes per token, KV bytes read per step, and the ratio to the first scheme.
+ms per step, KV bytes per token, KV bytes read per step, and the ratio to the first scheme. With
+``--gguf`` (the same weights converted for llama.cpp), llama-bench then decodes at the same depth
+with its closest cache type (f16, q8_0, q4_0; flash attention on) and a ``peer`` line gives
+infeng / llama.cpp per scheme.
 
 ``quality`` runs the BENCHMARKS perplexity protocol (stories260K, first 100,000 bytes of wikitext-2
 test, ctx 256) for each scheme with and without an f16 window, against the f32-cache artifact:
@@ -116,6 +119,30 @@ def speed(args) -> None:
                      vs_first=round(median / first, 3), first=schemes[0], rounds=args.rounds)
             for engine in engines.values():
                 engine.close()
+            if args.gguf and batch == 1:
+                peer(Path(args.gguf), schemes, ctx, args, rounds)
+
+
+#: llama.cpp's KV cache type closest to each scheme (its quantized V cache needs flash attention).
+PEER_CACHE = {"f16": "f16", "int8": "q8_0", "fht-int8": "q8_0", "int4": "q4_0", "fht-int4": "q4_0"}
+
+
+def peer(gguf: Path, schemes: list[str], ctx: int, args, rounds: dict[str, list[float]]) -> None:
+    """llama-bench on the same weights at depth ``ctx`` with the matching cache types, right after
+    infeng's rounds: decode tok/s and infeng / llama.cpp for each scheme."""
+    from compare_llamacpp import PEER_BIN, peer_env, require_peer, run
+
+    require_peer("llama-bench")
+    for kv in schemes:
+        cache = PEER_CACHE[kv]
+        out = run([str(PEER_BIN / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(args.gen), "-d", str(ctx),
+                   "-ctk", cache, "-ctv", cache, "-fa", "on", "-t", str(args.threads), "-r", str(args.rounds),
+                   "-o", "json"], f"llama-bench {gguf.name} -d {ctx}", peer_env())
+        peer_tok_s = json.loads(out)[0]["avg_ts"]
+        infeng_tok_s = statistics.median(args.gen / t for t in rounds[kv])
+        emit(bench="peer", engine="llama.cpp", gguf=gguf.name, kv=kv, cache_type=cache, ctx=ctx, batch=1,
+             threads=args.threads, tok_s=round(peer_tok_s, 2), infeng_tok_s=round(infeng_tok_s, 2),
+             infeng_vs_peer=round(infeng_tok_s / peer_tok_s, 3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +228,8 @@ def main() -> int:
     sp.add_argument("--model", help="a Hugging Face model dir instead of a preset")
     sp.add_argument("--dtype", default="f16", help="weight storage (f32, f16, bf16)")
     sp.add_argument("--quant", help="quantized weights instead (int8, int4; infeng compile --quant)")
+    sp.add_argument("--gguf", help="the same weights for llama.cpp: llama-bench at each context (batch 1) with "
+                                   "its f16 / q8_0 / q4_0 cache for f16 / int8 / int4 schemes")
     sp.add_argument("--target", default="native")
     sp.add_argument("--kv", default="f16,fht-int8,fht-int4", help="schemes; ratios are against the first")
     sp.add_argument("--window", type=int, default=0, help="--kv-window for the int8/int4 schemes")

@@ -1,5 +1,5 @@
 """The artifact directory ``model.infeng/``: manifest.json, weights.bin, libmodel.so, src/, ir.txt,
-tokenizer files. This module writes and reads it; the manifest schema is versioned."""
+tokenizer files. This module writes it; ``infeng_common.manifest`` reads it (the runtime does too)."""
 from __future__ import annotations
 
 import hashlib
@@ -7,16 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import InfengError
-
-MANIFEST_VERSION = 1
-MANIFEST = "manifest.json"
-WEIGHTS = "weights.bin"
-LIBRARY = "libmodel.so"
-
-
-class ArtifactError(InfengError):
-    """An artifact directory that is missing, incomplete or from another version."""
+from infeng_common.errors import InfengError
+from infeng_common.manifest import MANIFEST, MANIFEST_VERSION
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
@@ -25,34 +17,6 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def is_artifact(path: str | Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
-
-
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of an artifact, checked for version and for the files it lists."""
-    root = Path(path)
-    mpath = root / MANIFEST
-    if not mpath.is_file():
-        raise ArtifactError(f"{root}: not an infeng artifact (no {MANIFEST})")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except ValueError as e:
-        raise ArtifactError(f"{mpath}: malformed JSON: {e}") from None
-    version = manifest.get("format_version")
-    if version != MANIFEST_VERSION:
-        raise ArtifactError(f"{mpath}: artifact format version {version}, this infeng reads {MANIFEST_VERSION}; "
-                            "recompile the model")
-    weights = root / WEIGHTS
-    if not weights.is_file():
-        raise ArtifactError(f"{weights}: file not found")
-    if weights.stat().st_size != manifest["weights_bytes"]:
-        raise ArtifactError(f"{weights}: {weights.stat().st_size} bytes, the manifest says {manifest['weights_bytes']}")
-    if not (root / LIBRARY).is_file():
-        raise ArtifactError(f"{root / LIBRARY}: file not found")
-    return manifest
 
 
 def write_weights(path: Path, graph, slots, total_bytes: int, progress=None) -> None:

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .errors import InfengError
+from infeng_common.errors import InfengError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="infeng: compile Hugging Face / ONNX LLMs and LoRA adapters to CPU kernels.")
@@ -108,9 +108,9 @@ def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0,
                  quantize: tuple[str, list[str]] | None = None):
     """(step backend, tokenizer): a compiled Engine for an artifact, else the interpreter
     (over the graph after ``quantize``, a ``quantize`` pipeline entry, when given)."""
+    from infeng_common.manifest import is_artifact
     from infeng_runtime.tokenizer import Tokenizer
 
-    from .artifact import is_artifact
     from .frontends import import_model, model_source
     from .interp import Interpreter
 
@@ -232,26 +232,33 @@ def generate_command(model: Path = typer.Argument(..., help="model directory"),
     _print_generation(runner, tokenizer, prompt, params, as_json, "interpreter")
 
 
-def _print_generation(runner, tokenizer, prompt: str, params, as_json: bool, label: str,
-                      adapter_slot: int = -1) -> None:
-    """Stream the continuation to stdout (or one JSON object) and report tok/s."""
+def _print_generation(runner, tokenizer, prompt: str, params, as_json: bool, label: str) -> None:
+    """The interpreter's continuation of ``prompt``, streamed (see ``_print_stream``)."""
     from infeng_runtime.generation import Generation, stream
 
     result = Generation()
-    pieces = stream(runner, tokenizer, tokenizer.encode(prompt), params, result=result, adapter_slot=adapter_slot)
+    _print_stream(prompt, stream(runner, tokenizer, tokenizer.encode(prompt), params, result=result),
+                  lambda: result, as_json, label)
+
+
+def _print_stream(prompt: str, pieces, result, as_json: bool, label: str) -> None:
+    """Stream ``pieces`` after the prompt to stdout (or print one JSON object), then tok/s;
+    ``result()`` is the finished generation (text, token_ids, finish_reason, prompt_tokens, times)."""
     if as_json:
         for _ in pieces:
             pass
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-                          "prompt_tokens": result.prompt_tokens, "tok_s": round(result.tok_s, 2),
-                          "prefill_tok_s": round(result.prompt_tokens / max(result.prefill_seconds, 1e-9), 2)}))
+        r = result()
+        print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                          "prompt_tokens": r.prompt_tokens, "tok_s": round(r.tok_s, 2),
+                          "prefill_tok_s": round(r.prompt_tokens / max(r.prefill_seconds, 1e-9), 2)}))
         return
     sys.stdout.write(prompt)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    err.print(f"[dim]{len(result.token_ids)} tokens, {result.tok_s:.1f} tok/s ({label})[/]")
+    r = result()
+    err.print(f"[dim]{len(r.token_ids)} tokens, {r.tok_s:.1f} tok/s ({label})[/]")
 
 
 def parse_named_paths(items: list[str], option: str) -> dict[str, Path]:
@@ -387,21 +394,21 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
                 top_p: float = typer.Option(1.0, "--top-p"),
                 top_k: int = typer.Option(0, "--top-k"),
                 seed: Optional[int] = typer.Option(None, "--seed"),
-                threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
+                threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
                 adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: load a LoRA adapter (repeatable)"),
                 use: Optional[str] = typer.Option(None, "--use", help="generate with adapter NAME"),
                 as_json: bool = typer.Option(False, "--json")):
-    """Generate from a compiled artifact, streaming text, and print tok/s."""
+    """Generate from a compiled artifact, streaming text, and print tok/s (the engine loop and
+    scheduler of ``infeng serve``: the same request gives the same text)."""
+    from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
 
-    runner, tokenizer = _load_runner(artifact, Backend.compiled, threads)
-    for name, path in parse_named_paths(adapter, "--adapter").items():
-        runner.load_adapter(name, path)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
-    slot = runner.adapter_slot(use, seq=0) if use else -1
-    label = f"compiled, {runner.threads} threads" + (f", adapter {use}" if use else "")
-    _print_generation(runner, tokenizer, prompt, params, as_json, label, slot)
+    llm = LLM(artifact, threads=threads, max_seqs=1, adapters=parse_named_paths(adapter, "--adapter"))
+    label = f"compiled, {llm.engine.threads} threads" + (f", adapter {use}" if use else "")
+    stream = llm.stream(prompt, params, adapter=use)
+    _print_stream(prompt, stream, lambda: stream.completion, as_json, label)
 
 
 def parse_size(text: str, option: str) -> int:
@@ -439,9 +446,8 @@ def serve_command(artifact: Path = typer.Argument(..., help="compiled artifact d
                                                                   help="the base model's id in the API"),
                   log_level: str = typer.Option("info", "--log-level")):
     """Serve ARTIFACT over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics)."""
+    from infeng_common.manifest import is_artifact
     from infeng_runtime.server import ServeOptions, serve
-
-    from .artifact import is_artifact
 
     if not is_artifact(artifact):
         raise InfengError(f"{artifact}: not a compiled artifact; run infeng compile first")
@@ -515,6 +521,7 @@ def demo_command(workdir: Optional[Path] = typer.Option(None, "--dir", help="whe
                  max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n")):
     """Build a small synthetic model, compile it for this CPU, generate, and print throughput."""
     from infeng_models.synthetic import build_preset
+    from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
 
     from .codegen.build import cache_root
@@ -527,10 +534,10 @@ def demo_command(workdir: Optional[Path] = typer.Option(None, "--dir", help="whe
     summary = compile_model(model_dir, artifact, CompileOptions(target="native"))
     err.print(f"compiled for {summary.target} in {summary.seconds:.2f} s "
               f"({summary.kernels} kernels, build cache {'hit' if summary.cache_hit else 'miss'}) -> {artifact}")
-    runner, tokenizer = _load_runner(artifact, Backend.compiled)
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    llm = LLM(artifact, max_seqs=1)
+    stream = llm.stream(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
     err.print("[dim](random weights: the text is noise; the speed is real)[/]")
-    _print_generation(runner, tokenizer, prompt, params, False, f"compiled, {runner.threads} threads")
+    _print_stream(prompt, stream, lambda: stream.completion, False, f"compiled, {llm.engine.threads} threads")
 
 
 def main() -> None:

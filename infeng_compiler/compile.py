@@ -9,13 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from infeng_common.errors import InfengError
+from infeng_common.manifest import LIBRARY, WEIGHTS
+
 from . import __version__
-from .artifact import LIBRARY, WEIGHTS, file_sha256, write_manifest, write_weights
+from .artifact import file_sha256, write_manifest, write_weights
 from .codegen.build import build_library
 from .codegen.lower import lower
 from .codegen.render import render_sources
 from .codegen.target import get_target
-from .errors import InfengError
 from .frontends import ONNX_PIPELINE, import_model, model_source
 from .frontends.peft import load_adapter
 from .ir import print_graph

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import InfengError
+from infeng_common.errors import InfengError
 
 
 @dataclass

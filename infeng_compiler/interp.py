@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import InfengError
+from infeng_common.errors import InfengError
+
 from .ir import Graph
 from .ir.ops import get as get_op
 

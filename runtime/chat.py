@@ -15,7 +15,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from infeng_compiler.errors import InfengError
+from infeng_common.errors import InfengError
 
 from .tokenizer import Tokenizer
 

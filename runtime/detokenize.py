@@ -1,14 +1,13 @@
 """Consumer-side text of one choice: incremental detokenizing, stop strings, logprob entries.
 
-Runs wherever the outputs are consumed (the HTTP event loop, the offline driver), never on the
-engine loop. ``ChoiceText.push`` takes the loop's token outputs and returns the text that is now
+Runs wherever the outputs are consumed (the HTTP event loop, the offline driver, the
+interpreter's generation loop), never on the engine loop; the one implementation of stop strings. ``ChoiceText.push`` takes the loop's token outputs and returns the text that is now
 final; text that might be the start of a stop string is held back until it is decided.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .generation import _stop_prefix_len
 from .scheduler import SeqOutput
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -131,3 +130,14 @@ class TokenTexts:
                 self.tokenizer.decode([token], skip_special_tokens=False)
             self.cache[token] = text
         return text
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

@@ -1,17 +1,17 @@
-"""Engine: loads a compiled artifact and runs forward steps through its C ABI (cffi; the GIL is
-released during each call)."""
+"""Engine: loads a compiled artifact and runs forward steps through its C ABI (cffi, declared by
+the ``infeng.h`` shipped in the artifact; the GIL is released during each call)."""
 from __future__ import annotations
 
-from importlib.resources import files
+from functools import lru_cache
 from pathlib import Path
 
 import cffi
 import numpy as np
 
-from infeng_compiler.artifact import LIBRARY, WEIGHTS, ArtifactError, read_manifest
-from infeng_compiler.errors import InfengError
+from infeng_common.errors import InfengError
+from infeng_common.manifest import ABI_HEADER, LIBRARY, WEIGHTS, ArtifactError, read_manifest
 
-from .adapters import AdapterSlots
+from .adapters import AdapterError, AdapterManager
 from .kv_cache import BlockAllocator
 from .tokenizer import Tokenizer
 
@@ -23,11 +23,27 @@ class CPUFeatureError(InfengError):
     """The artifact was compiled for instructions this CPU lacks."""
 
 
-def _ffi() -> cffi.FFI:
-    header = (files("infeng_templates") / "infeng.h").read_text()
+@lru_cache(maxsize=4)
+def _ffi(header: str) -> cffi.FFI:
     ffi = cffi.FFI()
     ffi.cdef("\n".join(line for line in header.splitlines() if not line.lstrip().startswith("#")))
     return ffi
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 class Engine:
@@ -35,10 +51,21 @@ class Engine:
 
     def __init__(self, path: str | Path, *, threads: int = 0, max_seqs: int = 16, max_context: int | None = None,
                  kv_blocks: int | None = None, kv_memory: int | None = None):
+        if max_seqs < 1:
+            raise InfengError(f"max_seqs must be >= 1, got {max_seqs}")
+        if max_context is not None and max_context < 1:
+            raise InfengError(f"max_context must be >= 1, got {max_context}")
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
-        self.ffi = _ffi()
-        self.lib = self.ffi.dlopen(str((self.path / LIBRARY).resolve()))
+        header = self.path / ABI_HEADER
+        try:
+            self.ffi = _ffi(header.read_text())
+        except (OSError, UnicodeDecodeError, cffi.CDefError) as e:
+            raise ArtifactError(f"{header}: cannot read the C ABI header: {e}") from None
+        try:
+            self.lib = self.ffi.dlopen(str((self.path / LIBRARY).resolve()))
+        except OSError as e:
+            raise ArtifactError(f"{self.path / LIBRARY}: cannot load the library: {e}") from None
         missing = self.ffi.new("char[]", 256)
         if self.lib.ife_cpu_check(missing, 256) != 0:
             raise CPUFeatureError(f"{self.path}: compiled for target {self.manifest['target']}, but this CPU lacks "
@@ -50,14 +77,10 @@ class Engine:
         self.vocab_size = int(self.lib.ife_vocab_size())
         self.max_tokens = int(self.lib.ife_max_tokens())
         self.block_size = int(self.lib.ife_block_size())
-        self.max_context = int(max_context or meta.get("max_position_embeddings") or 2048)
-        blocks_per_seq = -(-self.max_context // self.block_size)
-        if kv_blocks is None and kv_memory is not None:     # a byte budget for the pool
-            kv_blocks = int(kv_memory) // int(self.lib.ife_kv_block_bytes())
-            if kv_blocks < 1:
-                raise InfengError(f"KV memory {kv_memory} bytes holds no block (one block takes "
-                                  f"{int(self.lib.ife_kv_block_bytes())} bytes)")
-        n_blocks = kv_blocks or max_seqs * blocks_per_seq
+        model_context = meta.get("max_position_embeddings")
+        self.max_context = int(max_context or (model_context if isinstance(model_context, int) and
+                                               model_context > 0 else 2048))
+        n_blocks = self._pool_blocks(max_seqs, max_context, kv_blocks, kv_memory)
         self.kv = BlockAllocator(n_blocks, self.block_size, max_seqs, self.max_context)
         err = self.ffi.new("char[]", 512)
         handle = self.lib.ife_create(str((self.path / WEIGHTS).resolve()).encode(), n_blocks, threads, err, 512)
@@ -66,13 +89,41 @@ class Engine:
         self._handle = self.ffi.gc(handle, self.lib.ife_destroy)
         self.threads = int(self.lib.ife_threads(self._handle))
         constants = self.manifest["constants"]
-        self.lora = AdapterSlots(constants.get("lora_sites", []), int(constants.get("lora_slots", 0)),
-                                 int(constants.get("lora_rank", 0)), self.manifest["name"], self._write_lora)
-        self.seq_adapter: dict[int, str] = {}     # live sequences that use an adapter
+        self.adapters = AdapterManager(constants.get("lora_sites", []), int(constants.get("lora_slots", 0)),
+                                       int(constants.get("lora_rank", 0)), self.manifest["name"], self._write_lora)
         for name in self.manifest.get("adapters", {}).get("bundled", []):
-            self.load_adapter(name, self.path / "adapters" / name)
+            self.adapters.load(name, self.path / "adapters" / name)
         self.tokenizer = Tokenizer(self.path, meta.get("bos_token_id"), meta.get("eos_token_ids")) \
             if (self.path / "tokenizer.json").is_file() else None
+
+    def _pool_blocks(self, max_seqs: int, max_context: int | None, kv_blocks: int | None,
+                     kv_memory: int | None) -> int:
+        """Blocks of the KV pool, checked against the memory the kernel says is available before
+        anything is allocated. A ``max_context`` asked for must fit in the pool; the model's own
+        (``max_position_embeddings``) is cut to what the pool holds."""
+        block_bytes = int(self.lib.ife_kv_block_bytes())
+        if kv_blocks is None and kv_memory is not None:
+            kv_blocks = int(kv_memory) // block_bytes
+            if kv_blocks < 1:
+                raise InfengError(f"KV memory {kv_memory} bytes holds no block (one block takes {block_bytes} bytes)")
+        n_blocks = kv_blocks or max_seqs * -(-self.max_context // self.block_size)
+        available = available_memory()
+        if available is not None and n_blocks * block_bytes > available:
+            asked = f"{kv_memory} bytes of KV memory" if kv_memory is not None else \
+                f"a KV pool for {max_seqs} sequences of {self.max_context} tokens"
+            raise InfengError(f"{asked} takes {_gib(n_blocks * block_bytes)}, more than the {_gib(available)} of "
+                              f"memory available; lower --max-context or --max-seqs, or give a smaller --kv-memory")
+        if max_seqs > n_blocks:
+            raise InfengError(f"{max_seqs} sequences cannot run in a KV pool of {n_blocks} blocks; lower --max-seqs "
+                              f"or give more --kv-memory")
+        capacity = n_blocks * self.block_size
+        if self.max_context > capacity:
+            if max_context is not None:
+                raise InfengError(f"max context {max_context} tokens does not fit in the KV pool ({n_blocks} blocks "
+                                  f"of {self.block_size} tokens, {_gib(n_blocks * block_bytes)}); lower --max-context "
+                                  f"or give more --kv-memory")
+            self.max_context = capacity
+        return n_blocks
 
     @classmethod
     def load(cls, path: str | Path, **kwargs) -> "Engine":
@@ -88,28 +139,22 @@ class Engine:
             raise InfengError(f"ife_lora_set(slot={slot}, site={site}, rank={rank}) refused")
 
     def load_adapter(self, name: str, path: str | Path, scale: float = 1.0) -> int:
-        """Load a PEFT LoRA adapter into a free slot (LRU-evicting an idle one); returns the slot."""
-        return self.lora.load(name, path, scale, busy=set(self.seq_adapter.values()))
+        """Serve a PEFT LoRA adapter (``self.adapters.load``); returns its slot."""
+        return self.adapters.load(name, path, scale)
 
     def unload_adapter(self, name: str) -> None:
-        if name in self.seq_adapter.values():
-            from .adapters import AdapterError
-
-            raise AdapterError(f"adapter {name!r} is used by a running sequence")
-        self.lora.unload(name)
-
-    @property
-    def adapters(self) -> dict[str, int]:
-        """Loaded adapters: name -> slot."""
-        return dict(self.lora.slot_of)
+        self.adapters.unload(name)
 
     def adapter_slot(self, name: str | None, seq: int | None = None) -> int:
-        """The slot for ``name`` (-1 for None = base), recorded as in use by ``seq`` until freed."""
+        """The slot for ``name`` (-1 for None = base), held by sequence ``seq`` until ``free(seq)``
+        (and put back in a slot if it was evicted)."""
         if name is None:
             return -1
-        slot = self.lora.touch(name)
-        if seq is not None:
-            self.seq_adapter[int(seq)] = name
+        if seq is None:
+            return self.adapters.slot(name)
+        slot = self.adapters.acquire(name, int(seq))
+        if slot is None:
+            raise AdapterError(f"all {self.adapters.n_slots} adapter slots are in use by running sequences")
         return slot
 
     def step(self, tokens, positions, seq_ids, logits_rows=None, adapter_slots=None) -> np.ndarray:
@@ -146,9 +191,9 @@ class Engine:
             adapter_slots = np.ascontiguousarray(adapter_slots, dtype=np.int32)
             if adapter_slots.shape != (n,):
                 raise InfengError("adapter_slots must have one entry per token")
-            if adapter_slots.max() >= max(self.lora.n_slots, 0) and adapter_slots.max() >= 0:
+            if adapter_slots.max() >= max(self.adapters.n_slots, 0) and adapter_slots.max() >= 0:
                 raise InfengError(f"adapter slot {adapter_slots.max()} out of range (the artifact has "
-                                  f"{self.lora.n_slots} slots)")
+                                  f"{self.adapters.n_slots} slots)")
         return self.forward(tokens, positions, slots, rows, adapter_slots)
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, rows: np.ndarray,
@@ -200,7 +245,7 @@ class Engine:
 
     def free(self, seq: int) -> None:
         self.kv.free(int(seq))
-        self.seq_adapter.pop(int(seq), None)
+        self.adapters.release(int(seq))
 
     def close(self) -> None:
         if getattr(self, "_handle", None) is not None:

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from infeng_compiler.errors import InfengError
+from infeng_common.errors import InfengError
 
 
 class KVCacheFull(InfengError):
@@ -60,7 +60,8 @@ class BlockAllocator:
         self.max_context = max_context
         self.max_seqs = max_seqs
         self.prefix_cache = prefix_cache
-        self.free_blocks = list(range(n_blocks - 1, -1, -1))          # never used or unpublished
+        self.free_blocks: list[int] = []                              # returned, unpublished
+        self.fresh = 0                                                # blocks [fresh, n_blocks) never handed out
         self.evictable: OrderedDict[int, None] = OrderedDict()        # published, refcount 0, LRU first
         self.refcount = [0] * n_blocks
         self.cached: dict[bytes, int] = {}                            # hash -> block
@@ -89,7 +90,7 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out now (free, or cached and unreferenced)."""
-        return len(self.free_blocks) + len(self.evictable)
+        return len(self.free_blocks) + self.n_blocks - self.fresh + len(self.evictable)
 
     @property
     def used_blocks(self) -> int:
@@ -108,6 +109,9 @@ class BlockAllocator:
     def _take_block(self) -> int:
         if self.free_blocks:
             return self.free_blocks.pop()
+        if self.fresh < self.n_blocks:
+            self.fresh += 1
+            return self.fresh - 1
         block, _ = self.evictable.popitem(last=False)
         del self.cached[self.hash_of.pop(block)]
         self.evictions += 1

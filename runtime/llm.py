@@ -1,4 +1,5 @@
-"""Offline batches through the serving scheduler: many prompts in, completions out.
+"""The offline API, and ``infeng run``: prompts in, completions (or streamed text) out, through the
+same engine loop, scheduler and detokenizer as ``infeng serve``.
 
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
@@ -6,6 +7,8 @@
     llm = LLM("stories.infeng", max_seqs=16)
     for c in llm.generate(["Once upon a time", "The dog"], SamplingParams(max_new_tokens=32)):
         print(c.text)
+    for piece in llm.stream("Once upon a time", SamplingParams(max_new_tokens=32)):
+        print(piece, end="")
 
 The loop runs on the calling thread (no server, no queue bound); every prompt is one request and
 continuous batching mixes their prefills and decodes exactly as ``infeng serve`` does.
@@ -13,11 +16,13 @@ continuous batching mixes their prefills and decodes exactly as ``infeng serve``
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 from typing import Sequence as Seq
 
-from infeng_compiler.errors import InfengError
+from infeng_common.errors import InfengError
 
 from .detokenize import ChoiceText
 from .engine import Engine
@@ -34,6 +39,33 @@ class Completion:
     prompt_tokens: int
     cached_tokens: int = 0                 # prompt tokens that came from the prefix cache
     logprobs: list = field(default_factory=list)
+    error: str | None = None               # why, when finish_reason is "error"
+    prefill_seconds: float = 0.0           # submission to the first token
+    decode_seconds: float = 0.0            # first token to the last
+
+    @property
+    def tok_s(self) -> float:
+        """Decode speed: generated tokens after the first, per second of decoding."""
+        n = len(self.token_ids) - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+
+class _Choice:
+    """One prompt's text as its outputs arrive, with the times a completion reports."""
+
+    def __init__(self, text: ChoiceText, prompt_tokens: int):
+        self.text = text
+        self.prompt_tokens = prompt_tokens
+        self.pieces: list[str] = []        # released text not yet handed to a stream
+        self.submitted = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def completion(self) -> Completion:
+        t = self.text
+        first = self.first or self.submitted
+        return Completion(t.text, t.token_ids, t.finish_reason or "abort", self.prompt_tokens, t.cached_tokens,
+                          t.entries, t.error, first - self.submitted, (self.last or first) - first)
 
 
 class LLM:
@@ -61,31 +93,61 @@ class LLM:
         alist = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * n
         if len(plist) != n or len(alist) != n:
             raise InfengError(f"{n} prompts but {len(plist)} sampling params and {len(alist)} adapters")
-        texts: dict[str, ChoiceText] = {}
-        order: list[tuple[str, list[int]]] = []
-
-        def sink(outs: list[SeqOutput]) -> None:
-            for out in outs:
-                choice = texts[out.request.request_id]
-                was_done = choice.done
-                choice.push(out)
-                if choice.done and not was_done and out.finish_reason is None:    # a stop string
-                    self.loop.abort(out.request.request_id)
-
-        for prompt, p, name in zip(prompts, plist, alist):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            rid = f"offline-{next(self._ids)}"
-            texts[rid] = ChoiceText(self.tokenizer, ids, tuple(p.stop), logprobs is not None)
-            self.loop.submit(Request(rid, ids, p, adapter=name, logprobs=logprobs, sink=sink))
-            order.append((rid, ids))
+        choices = [self._submit(prompt, p, name, logprobs) for prompt, p, name in zip(prompts, plist, alist)]
         while self.loop.has_work():
             self.loop.run_once()
-        results = []
-        for rid, ids in order:
-            c = texts[rid]
-            results.append(Completion(c.text, c.token_ids, c.finish_reason or "abort", len(ids), c.cached_tokens,
-                                      c.entries))
-        return results
+        return [c.completion() for c in choices]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+               adapter: str | None = None) -> "TextStream":
+        """Continue one prompt; iterate for text as it becomes final, then read ``completion``."""
+        return TextStream(self.loop, self._submit(prompt, params or SamplingParams(), adapter, None))
+
+    def _submit(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                logprobs: int | None) -> _Choice:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        choice = _Choice(ChoiceText(self.tokenizer, ids, tuple(params.stop), logprobs is not None), len(ids))
+        request = Request(f"offline-{next(self._ids)}", ids, params, adapter=adapter, logprobs=logprobs,
+                          sink=self._sink, context=choice)
+        self.loop.submit(request)
+        return choice
+
+    def _sink(self, outs: list[SeqOutput]) -> None:
+        """Called by ``run_once`` on this thread: text into each choice; a stop string ends it."""
+        now = time.perf_counter()
+        for out in outs:
+            choice: _Choice = out.request.context
+            was_done = choice.text.done
+            delta = choice.text.push(out)
+            if out.token is not None:
+                choice.first = choice.first or now
+                choice.last = now
+            if delta is not None and delta.text:
+                choice.pieces.append(delta.text)
+            if choice.text.done and not was_done and out.finish_reason is None:    # a stop string
+                self.loop.abort(out.request.request_id)
 
     def close(self) -> None:
         self.engine.close()
+
+
+class TextStream:
+    """The text of one request as the loop produces it (the loop runs while it is iterated)."""
+
+    def __init__(self, loop: EngineLoop, choice: _Choice):
+        self.loop, self.choice = loop, choice
+
+    def __iter__(self) -> Iterator[str]:
+        choice = self.choice
+        while True:
+            while choice.pieces:
+                yield choice.pieces.pop(0)
+            if choice.text.done or not self.loop.has_work():
+                break
+            self.loop.run_once()
+        while choice.pieces:
+            yield choice.pieces.pop(0)
+
+    @property
+    def completion(self) -> Completion:
+        return self.choice.completion()

@@ -6,6 +6,14 @@ load/unload). Outputs leave the loop as token ids: each request's ``sink`` is ca
 step with that step's outputs for every request sharing the sink, on the loop thread, so a sink
 must only hand them over (``call_soon_threadsafe``, a queue). Detokenizing and stop strings are
 the consumer's job (``detokenize.py``); a consumer that sees a stop string calls ``abort``.
+
+A request can fail, the loop cannot: a sequence whose logits are not finite, or whose adapter
+cannot be loaded, finishes alone with ``finish_reason="error"``. If the loop itself dies anyway,
+every request in flight is finished with an error, ``submit`` raises ``EngineStopped`` from then
+on, and ``on_fatal`` (the server's hook) is called once.
+
+Adapters are the engine's ``AdapterManager`` (``self.adapters``); loads and unloads run here,
+between steps, because they write into the library's slots.
 """
 from __future__ import annotations
 
@@ -17,19 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from infeng_compiler.errors import InfengError
+from infeng_common.errors import InfengError
 
-from .adapters import AdapterError
 from .scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput
 
-__all__ = ["EngineLoop", "LoopStats", "QueueFull", "RequestError"]
+__all__ = ["EngineLoop", "EngineStopped", "LoopStats", "QueueFull", "RequestError"]
 
 
-@dataclass
-class AdapterEntry:
-    path: Path
-    scale: float
-    key: str                              # prefix-cache namespace; new on every (re)load from a path
+class EngineStopped(InfengError):
+    """The engine loop has failed or is stopping: no request is accepted any more."""
 
 
 @dataclass
@@ -58,15 +62,9 @@ class EngineLoop:
         engine.kv.prefix_cache = prefix_cache
         tokenizer = engine.tokenizer
         eos = tokenizer.eos_token_ids if tokenizer is not None else engine.manifest["meta"].get("eos_token_ids") or []
-        self.adapters: dict[str, AdapterEntry] = {}       # served adapters
-        self._draining: dict[str, AdapterEntry] = {}      # unloaded, still used by requests in flight
-        self._generation = 0
-        for name in getattr(engine, "adapters", {}):      # adapters bundled in the artifact
-            self.adapters[name] = AdapterEntry(engine.path / "adapters" / name, 1.0, self._new_key(name))
+        self.adapters = engine.adapters
         self.scheduler = Scheduler(engine.kv, list(eos), max_batched_tokens=max_batched_tokens or engine.max_tokens,
-                                   max_waiting=max_waiting, max_context=engine.max_context,
-                                   adapter_key=self._adapter_key, acquire_adapter=self._acquire_adapter,
-                                   release=engine.free if hasattr(engine, "seq_adapter") else None)
+                                   max_waiting=max_waiting, max_context=engine.max_context, adapters=engine.adapters)
         self.stats = LoopStats()
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)
@@ -75,6 +73,7 @@ class EngineLoop:
         self._held: list[SeqOutput] = []          # outputs of the last step, handed over before the next
         self._stop = False
         self.error: BaseException | None = None
+        self.on_fatal: Callable[[BaseException], None] | None = None   # called once, on the loop thread
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> "EngineLoop":
@@ -102,17 +101,24 @@ class EngineLoop:
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
-        """Queue a request; raises RequestError (bad request, unknown adapter) or QueueFull."""
-        if request.adapter is not None and request.adapter not in self.adapters:
+        """Queue a request; raises RequestError (bad request, unknown adapter), QueueFull or
+        EngineStopped."""
+        if self.error is not None or self._stop:
+            raise EngineStopped(f"the engine loop has {'failed' if self.error else 'stopped'}; "
+                                f"no request is accepted")
+        if request.adapter is not None and request.adapter not in self.adapters.served:
             raise RequestError(f"the model {request.adapter!r} does not exist", "model", "model_not_found", 404)
         with self._wake:
             self.scheduler.add(request)
             self._wake.notify()
 
-    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
-        """End a request (or one of its choices); its sink gets the final outputs."""
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort",
+              error: str | None = None) -> None:
+        """End a request (or one of its choices); its sink gets the final outputs, carrying ``error``."""
         with self.lock:
             outs = self.scheduler.abort(request_id, index, reason)
+        for out in outs:
+            out.error = error
         self._deliver(outs)
 
     def has_work(self) -> bool:
@@ -132,54 +138,11 @@ class EngineLoop:
 
     def load_adapter(self, name: str, path: str | Path, scale: float = 1.0) -> Future:
         """Serve the PEFT adapter at ``path`` as model ``name`` (loaded into a slot now)."""
-        def load() -> int:
-            if name in self.adapters:
-                raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first")
-            if name in self._draining:
-                raise AdapterError(f"adapter {name!r} is still finishing requests; retry shortly")
-            slot = self.engine.load_adapter(name, path, scale)
-            self.adapters[name] = AdapterEntry(Path(path), scale, self._new_key(name))
-            return slot
-        return self.call(load)
+        return self.call(lambda: self.adapters.load(name, path, scale))
 
     def unload_adapter(self, name: str) -> Future:
         """Stop serving ``name``; requests already accepted for it still finish with it."""
-        def unload() -> None:
-            entry = self.adapters.pop(name, None)
-            if entry is None:
-                raise AdapterError(f"no adapter named {name!r} is loaded "
-                                   f"(loaded: {', '.join(self.adapters) or 'none'})")
-            self._draining[name] = entry
-            self._retire_adapters()
-        return self.call(unload)
-
-    def _new_key(self, name: str) -> str:
-        self._generation += 1
-        return f"{name}#{self._generation}"
-
-    def _adapter_key(self, name: str) -> str:
-        entry = self.adapters.get(name) or self._draining.get(name)
-        return entry.key if entry else name
-
-    def _acquire_adapter(self, name: str, seq_id: int) -> int | None:
-        """The engine slot of adapter ``name`` for sequence ``seq_id``, loading it if it was evicted;
-        None while every slot is held by running sequences."""
-        engine = self.engine
-        if name not in engine.adapters:
-            entry = self.adapters.get(name) or self._draining.get(name)
-            if entry is None:
-                raise AdapterError(f"adapter {name!r} was unloaded")
-            busy = set(engine.seq_adapter.values())
-            if len(engine.adapters) >= engine.lora.n_slots and busy >= set(engine.adapters):
-                return None
-            engine.load_adapter(name, entry.path, entry.scale)
-        return engine.adapter_slot(name, seq_id)
-
-    def _retire_adapters(self) -> None:
-        for name in [n for n in self._draining if n not in self.scheduler.adapter_users]:
-            del self._draining[name]
-            if name in self.engine.adapters:
-                self.engine.unload_adapter(name)
+        return self.call(lambda: self.adapters.unload(name))
 
     def _run_commands(self) -> None:
         while True:
@@ -201,8 +164,6 @@ class EngineLoop:
         with self.lock:
             plan = self.scheduler.schedule()
             failed, self.scheduler.failed = self.scheduler.failed, []
-            if self._draining:
-                self._retire_adapters()
         held, self._held = self._held, []
         self._deliver(held + failed)
         if plan is None:
@@ -258,6 +219,8 @@ class EngineLoop:
             for o in outs:
                 o.error = f"engine loop failed: {e}"
             self._deliver(outs)
+            if self.on_fatal is not None:
+                self.on_fatal(e)
             raise
 
     @staticmethod

@@ -32,10 +32,13 @@ from typing import Callable
 
 import numpy as np
 
-from infeng_compiler.errors import InfengError
+from infeng_common.errors import InfengError
 
+from .adapters import AdapterPool
 from .kv_cache import BlockAllocator, block_hashes
 from .sampling import SamplingParams, sample
+
+NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this sequence"
 
 
 class RequestError(InfengError):
@@ -105,7 +108,7 @@ class Sequence:
         self.namespace = namespace
         self.reported_cached = False
         self.cached_tokens: int | None = None
-        self.greedy = request.params.temperature == 0.0
+        self.greedy = request.params.greedy
         self.adapter_slot = -1
 
     @property
@@ -142,17 +145,14 @@ class SchedulerStats:
 class Scheduler:
     """Waiting queue, running set and the KV allocator of one engine.
 
-    Adapters are the loop's business (it owns the engine): ``acquire_adapter(name, seq_id)`` gives
-    the engine slot of adapter ``name`` for a sequence being admitted (None: no slot free now,
-    try later), ``release(seq_id)`` says the sequence no longer runs, ``adapter_key(name)`` names
-    the namespace the adapter's prefix-cache hashes live in.
+    Adapters are asked of ``adapters`` (the engine's ``AdapterManager``, through ``AdapterPool``):
+    a request holds its adapter from ``add`` until its last sequence finishes, a running sequence
+    holds a slot (``acquire``, None: no slot free now, try later) until it stops running, and the
+    adapter's ``namespace`` keeps its prefix-cache hashes apart.
     """
 
     def __init__(self, kv: BlockAllocator, eos_token_ids: list[int], *, max_batched_tokens: int = 256,
-                 max_waiting: int = 256, max_context: int | None = None,
-                 adapter_key: Callable[[str], str] | None = None,
-                 acquire_adapter: Callable[[str, int], int | None] | None = None,
-                 release: Callable[[int], None] | None = None):
+                 max_waiting: int = 256, max_context: int | None = None, adapters: AdapterPool | None = None):
         self.kv = kv
         self.eos = frozenset(eos_token_ids)
         self.max_seqs = kv.max_seqs
@@ -160,14 +160,11 @@ class Scheduler:
         self.max_batched_tokens = max(max_batched_tokens, self.max_seqs)
         self.max_waiting = max_waiting
         self.max_context = min(max_context or kv.max_context, kv.max_context)
-        self.adapter_key = adapter_key or (lambda name: name)
-        self.acquire_adapter = acquire_adapter
-        self.release = release
+        self.adapters = adapters
         self.waiting: list[tuple[tuple[int, int], int, Sequence]] = []   # heap of (order, seq_id, seq)
         self.num_waiting = 0                  # live entries of the heap
         self.running: list[Sequence] = []     # sorted by order
         self.requests: dict[str, list[Sequence]] = {}
-        self.adapter_users: dict[str, int] = {}
         self.stats = SchedulerStats()
         self.failed: list[SeqOutput] = []     # finished while scheduling (adapter failed to load)
         self._ids = itertools.count()
@@ -198,13 +195,16 @@ class Scheduler:
         if self.num_waiting + request.n > self.max_waiting:
             raise QueueFull(f"the admission queue is full ({self.num_waiting} sequences waiting, bound "
                             f"{self.max_waiting}); retry later")
-        namespace = self.adapter_key(request.adapter) if request.adapter else ""
+        namespace = ""
+        if request.adapter:
+            if self.adapters is None:
+                raise RequestError("this engine serves no adapters", "model", "model_not_found", 404)
+            self.adapters.hold(request.adapter, request.n)
+            namespace = self.adapters.namespace(request.adapter)
         arrival = next(self._arrivals)
         seqs = [Sequence(next(self._ids), request, i, (request.priority, arrival), namespace)
                 for i in range(request.n)]
         self.requests[request.request_id] = seqs
-        if request.adapter:
-            self.adapter_users[request.adapter] = self.adapter_users.get(request.adapter, 0) + request.n
         for seq in seqs:
             self._push_waiting(seq)
 
@@ -291,7 +291,7 @@ class Scheduler:
                 break
             if seq.request.adapter is not None:
                 try:
-                    slot = self._acquire(seq)
+                    slot = self.adapters.acquire(seq.request.adapter, seq.seq_id)
                 except InfengError as e:
                     self.failed.append(self._finish(seq, "error", str(e)))
                     continue
@@ -312,16 +312,9 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _acquire(self, seq: Sequence) -> int | None:
-        if self.acquire_adapter is None:
-            raise RequestError("this engine serves no adapters", "model", "model_not_found", 404)
-        return self.acquire_adapter(seq.request.adapter, seq.seq_id)
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv.free(seq.seq_id)
-        if self.release is not None:
-            self.release(seq.seq_id)
+        self._stop_running(seq)
         seq.num_computed = 0
         self._push_waiting(seq)
         self.stats.preemptions += 1
@@ -377,19 +370,29 @@ class Scheduler:
                     block_hashes(seq.tokens[:n_full * bs], bs, seq.namespace, seq.hashes)
                     kv.register(seq.seq_id, seq.hashes, n_full)
         outs: list[SeqOutput] = []
-        greedy_rows = [r for r, s in enumerate(plan.sampled) if s.greedy]
-        if len(greedy_rows) == len(plan.sampled):
-            greedy_tokens = logits.argmax(axis=1).tolist()
-        else:
-            greedy_tokens = logits[greedy_rows].argmax(axis=1).tolist() if greedy_rows else []
+        sampled = plan.sampled
+        greedy_rows = [r for r, s in enumerate(sampled) if s.greedy]
+        if len(greedy_rows) == len(sampled):
+            greedy_tokens = logits.argmax(axis=1)
+            # argmax lands on a NaN or +Inf if the row has one, and on -Inf if the row is all -Inf
+            greedy_ok = np.isfinite(logits[np.arange(len(sampled)), greedy_tokens]).tolist()
+            greedy_tokens = greedy_tokens.tolist()
+        elif greedy_rows:
+            greedy_tokens = logits[greedy_rows].argmax(axis=1)
+            greedy_ok = np.isfinite(logits[greedy_rows, greedy_tokens]).tolist()
+            greedy_tokens = greedy_tokens.tolist()
         g = 0
-        for r, seq in enumerate(plan.sampled):
+        for r, seq in enumerate(sampled):
             if seq.greedy:
-                token = greedy_tokens[g]
+                token, ok = greedy_tokens[g], greedy_ok[g]
                 g += 1
             else:
-                token = sample(logits[r], seq.request.params, seq.rng)
+                ok = bool(np.isfinite(logits[r]).all())
+                token = sample(logits[r], seq.request.params, seq.rng) if ok else -1
             if seq.status != RUNNING:
+                continue
+            if not ok:
+                outs.append(self._finish(seq, "error", NON_FINITE))
                 continue
             outs.append(self._emit(seq, token, logits[r]))
         return outs
@@ -429,9 +432,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, error: str | None) -> SeqOutput:
         if seq.status == RUNNING:
             self.running.remove(seq)
-            self.kv.free(seq.seq_id)
-            if self.release is not None:
-                self.release(seq.seq_id)
+            self._stop_running(seq)
         elif seq.status == WAITING:
             self.num_waiting -= 1              # its heap entry is dropped lazily
         seq.status = FINISHED
@@ -441,10 +442,15 @@ class Scheduler:
         if seqs is not None and all(s.status == FINISHED for s in seqs):
             del self.requests[request.request_id]
             if request.adapter:
-                self.adapter_users[request.adapter] -= request.n
-                if not self.adapter_users[request.adapter]:
-                    del self.adapter_users[request.adapter]
+                self.adapters.drop(request.adapter, request.n)
         return SeqOutput(request, seq.index, None, reason, error=error)
+
+    def _stop_running(self, seq: Sequence) -> None:
+        """Give back what a running sequence holds: its KV blocks and slot, its adapter slot."""
+        self.kv.free(seq.seq_id)
+        if seq.adapter_slot >= 0:
+            self.adapters.release(seq.seq_id)
+            seq.adapter_slot = -1
 
     def fail(self, plan: StepPlan, error: str) -> list[SeqOutput]:
         """The step failed: finish every sequence in it with ``error``."""

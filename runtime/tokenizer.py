@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from infeng_compiler.errors import ModelFormatError
+from infeng_common.errors import ModelFormatError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from infeng_compiler.errors import InfengError, ModelFormatError, UnsupportedError
+from infeng_common.errors import InfengError, ModelFormatError, UnsupportedError
 from infeng_compiler.frontends.hf import import_hf
 
 

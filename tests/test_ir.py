@@ -12,9 +12,9 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 import pytest
-
 from conftest import HF_VARIANTS
-from infeng_compiler.errors import IRError
+
+from infeng_common.errors import IRError
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.ir import Graph, TensorType, Weight, parse, print_graph, verify
 from infeng_compiler.ir.serialize import from_json, to_dot, to_json

@@ -27,12 +27,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from infeng_common.errors import InfengError
 from infeng_compiler.cli import app
 from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
 from infeng_compiler.codegen.target import TARGETS, host_features
 from infeng_compiler.compile import CompileOptions, compile_model
-from infeng_compiler.errors import InfengError
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter, KVStore, Step
 from infeng_compiler.ir import parse, print_graph

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from infeng_common.errors import InfengError, ModelFormatError
 from infeng_compiler.cli import app
 from infeng_compiler.compile import CompileOptions, compile_model
-from infeng_compiler.errors import InfengError, ModelFormatError
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.frontends.peft import AdapterMismatchError, load_adapter
 from infeng_runtime.adapters import AdapterError
@@ -94,7 +94,7 @@ def test_real_adapters_merged_match_peft(tmp_path, smollm_base, real_adapters):
 def test_real_adapters_in_slots_match_peft_mixed_batch(smollm_slots, smollm_base, real_adapters):
     """One step holding the base, med5 and med100 sequences equals PEFT with adapter_names=."""
     engine = Engine(smollm_slots)
-    assert set(engine.adapters) == {"med5", "med100"}
+    assert set(engine.adapters.served) == {"med5", "med100"}
     names = [None, "med5", "med100"]
     n = len(IDS)
     got = engine.step(np.tile(IDS, 3), np.tile(np.arange(n), 3), np.repeat(np.arange(3), n),
@@ -196,16 +196,19 @@ def test_hot_swap_evicts_the_idle_adapter(one_slot):
     engine.load_adapter("a", a)
     with_a = engine.step(ids, np.arange(3), np.zeros(3), adapter_slots=np.full(3, engine.adapter_slot("a")))
     engine.free(0)
-    engine.load_adapter("b", b)                      # a is idle: evicted
-    assert engine.adapters == {"b": 0}
-    engine.load_adapter("a", a)
+    engine.load_adapter("b", b)                      # a is idle: evicted from the slot, still served
+    assert engine.adapters.resident == {"b": 0} and set(engine.adapters.served) == {"a", "b"}
     again = engine.step(ids, np.arange(3), np.zeros(3), adapter_slots=np.full(3, engine.adapter_slot("a", seq=0)))
-    np.testing.assert_array_equal(again, with_a)
+    np.testing.assert_array_equal(again, with_a)     # a came back (from memory) into b's slot
+    assert engine.adapters.resident == {"a": 0}
     with pytest.raises(AdapterError, match="in use"):   # a sequence still runs with a
-        engine.load_adapter("b", b)
+        engine.adapter_slot("b", seq=1)
     engine.free(0)
+    assert engine.adapter_slot("b", seq=1) == 0
+    engine.free(1)
     engine.unload_adapter("a")
-    assert engine.adapters == {}
+    engine.unload_adapter("b")
+    assert engine.adapters.resident == {} and engine.adapters.served == {}
 
 
 def test_adapter_errors_name_the_problem(one_slot, tmp_path, hf_checkpoint, real_adapters):

@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 pytest.importorskip("onnxscript")
 
+from infeng_common.errors import UnsupportedError  # noqa: E402
 from infeng_compiler.cli import app  # noqa: E402
 from infeng_compiler.compile import CompileOptions, compile_model  # noqa: E402
-from infeng_compiler.errors import UnsupportedError  # noqa: E402
 from infeng_compiler.frontends import import_model, require_raised  # noqa: E402
 from infeng_compiler.frontends.onnx import load_onnx  # noqa: E402
 from infeng_compiler.interp import Interpreter  # noqa: E402

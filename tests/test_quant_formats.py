@@ -5,10 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from infeng_compiler.errors import InfengError
+from infeng_common.errors import InfengError
 from infeng_compiler.quant.act import fake_quant, quantize_act
-from infeng_compiler.quant.formats import (QUANT_FORMATS, ROWS_PER_BLOCK, QuantizedTensor, e4m3_decode,
-                                           e4m3_encode, get_format)
+from infeng_compiler.quant.formats import (
+    QUANT_FORMATS,
+    ROWS_PER_BLOCK,
+    QuantizedTensor,
+    e4m3_decode,
+    e4m3_encode,
+    get_format,
+)
 from infeng_compiler.quant.gptq import gptq_quantize
 from infeng_compiler.quant.search import quantize
 

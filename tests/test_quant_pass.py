@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from infeng_compiler.errors import InfengError
+from infeng_common.errors import InfengError
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter
 from infeng_compiler.ir import parse, print_graph

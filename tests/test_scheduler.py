@@ -12,7 +12,8 @@ import pytest
 
 from _serving import AloneReference, served_artifact
 from infeng_runtime.kv_cache import BlockAllocator, KVCacheFull, block_hashes
-from infeng_runtime.sampling import SamplingParams
+from infeng_common.errors import InfengError
+from infeng_runtime.sampling import SamplingParams, sample
 from infeng_runtime.scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput
 
 BS = 4
@@ -219,18 +220,75 @@ def test_prefix_cache_in_scheduler():
     assert sched.stats.computed_prompt_tokens == 12
 
 
+class FixedSlots:
+    """An ``AdapterPool`` whose adapters sit in fixed slots (None: never a free slot)."""
+
+    def __init__(self, slots: dict[str, int | None]):
+        self.slots, self.held, self.running = slots, {}, set()
+
+    def namespace(self, name):
+        return name
+
+    def hold(self, name, n):
+        self.held[name] = self.held.get(name, 0) + n
+
+    def drop(self, name, n):
+        self.held[name] -= n
+
+    def acquire(self, name, seq_id):
+        if self.slots[name] is not None:
+            self.running.add(seq_id)
+        return self.slots[name]
+
+    def release(self, seq_id):
+        self.running.remove(seq_id)
+
+
 def test_adapter_slots_per_token():
-    slots = {"x": 2, "y": 0}
-    sched = make_scheduler(budget=64, acquire_adapter=lambda name, seq: slots[name])
+    pool = FixedSlots({"x": 2, "y": 0})
+    sched = make_scheduler(budget=64, adapters=pool)
     sched.add(request("base", 2))
-    sched.add(request("x", 3, adapter="x"))
-    sched.add(request("y", 1, adapter="y"))
+    sched.add(request("x", 3, adapter="x", max_new=1))
+    sched.add(request("y", 1, adapter="y", max_new=1))
+    assert pool.held == {"x": 1, "y": 1}
     plan, _ = run_step(sched)
     assert plan.adapter_slots.tolist() == [-1, -1, 2, 2, 2, 0]
-    sched.add(request("waits", 2, adapter="x"))
-    busy = make_scheduler(acquire_adapter=lambda name, seq: None)
+    assert pool.held == {"x": 0, "y": 0} and not pool.running          # finished: slots and holds given back
+    busy = make_scheduler(adapters=FixedSlots({"x": None}))
     busy.add(request("w", 2, adapter="x"))
     assert busy.schedule() is None and busy.num_waiting == 1
+    with pytest.raises(RequestError, match="serves no adapters"):
+        make_scheduler().add(request("no-pool", 2, adapter="x"))
+
+
+def test_non_finite_logits_fail_that_sequence_alone():
+    sched = make_scheduler(budget=64)
+    sched.add(request("greedy", 3))
+    sched.add(Request("sampled", [9, 10, 11], SamplingParams(max_new_tokens=4, temperature=0.8, seed=1)))
+    sched.add(request("fine", 3, start=5))
+    plan = sched.schedule()
+    logits = np.zeros((3, VOCAB), dtype=np.float32)
+    logits[:, 7] = 1.0
+    logits[0, 3] = np.nan                                            # greedy row: argmax finds the NaN
+    logits[1, 4] = np.inf                                            # sampled row
+    outs = {o.request.request_id: o for o in sched.update(plan, logits)}
+    assert outs["greedy"].finish_reason == outs["sampled"].finish_reason == "error"
+    assert "non-finite" in outs["greedy"].error
+    assert outs["fine"].token == 7 and outs["fine"].finish_reason is None
+    assert [s.request.request_id for s in sched.running] == ["fine"]
+    assert sched.kv.used_blocks == 1
+
+
+def test_tiny_temperature_samples_greedily_and_seeds_are_bounded():
+    assert SamplingParams(temperature=1e-320).greedy and not SamplingParams(temperature=0.5).greedy
+    logits = np.array([0.0, 3.0, 1.0], dtype=np.float32)
+    assert sample(logits, SamplingParams(temperature=1e-320), np.random.default_rng(0)) == 1
+    for bad in (-1, 2 ** 64):
+        with pytest.raises(InfengError, match="seed"):
+            SamplingParams(seed=bad)
+    with pytest.raises(InfengError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+    SamplingParams(seed=2 ** 64 - 1)
 
 
 # -- consumer-side text -------------------------------------------------------------------------
@@ -343,4 +401,4 @@ def test_more_adapters_than_slots(artifact, tmp_path):
     got = llm.generate(prompts, SamplingParams(max_new_tokens=8), adapter=names)
     for name, prompt, c in zip(names, prompts, got):
         assert c.text == AloneReference(artifact, {name: dirs[name]})(prompt, 8, name), name
-    assert len(llm.engine.adapters) <= 4 and set(llm.loop.adapters) == set(dirs)
+    assert len(llm.engine.adapters.resident) <= 4 and set(llm.loop.adapters.served) == set(dirs)

@@ -7,11 +7,10 @@ import os
 import cffi
 import pytest
 
+from infeng_common.errors import UnsupportedError
 from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources
-from infeng_compiler.codegen.target import (FEATURES_ENV, TARGETS, get_target, host_features,
-                                            native_target)
-from infeng_compiler.errors import UnsupportedError
+from infeng_compiler.codegen.target import FEATURES_ENV, TARGETS, get_target, host_features, native_target
 
 AVX2 = "avx2,fma,f16c"
 AVX512 = AVX2 + ",avx512f,avx512bw,avx512dq,avx512vl"

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import InfengError
+from infeng_common.errors import InfengError
+
 from .target import Target
 
 #: Flags for every translation unit. -ffp-contract=fast lets the scalar code use FMA (the

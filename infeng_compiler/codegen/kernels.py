@@ -19,7 +19,8 @@ from typing import Any, Callable
 import jinja2
 import numpy as np
 
-from ..errors import UnsupportedError
+from infeng_common.errors import UnsupportedError
+
 from .target import FEATURES_ENV, TARGETS, Target
 
 #: File names of the shared sources in a library.
@@ -208,7 +209,8 @@ def _check_attention(p: dict[str, Any]) -> None:
 
 
 def _check_attention_kvq(p: dict[str, Any]) -> None:
-    from ..errors import InfengError
+    from infeng_common.errors import InfengError
+
     from ..quant.kv import check_format, is_power_of_two
 
     _check_attention(p)

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UnsupportedError
+from infeng_common.errors import UnsupportedError
+
 from ..ir import Graph, Node, Value, Weight
 from ..ir.ops import rope_inv_freq
-from ..quant.kv import QUANTIZED, attention_kv_formats, layer_block_bytes, plain_f32
 from ..quant.act import act_row_layout
 from ..quant.formats import get_format, is_quantized
+from ..quant.kv import QUANTIZED, attention_kv_formats, layer_block_bytes, plain_f32
 from . import quant_kernels  # noqa: F401  (registers the quantized kernels)
 from .kernels import KVQ_RING_ALIGN, KernelSpec
 from .quant_kernels import linear_op

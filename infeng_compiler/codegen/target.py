@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..errors import UnsupportedError
+from infeng_common.errors import UnsupportedError
 
 #: Environment variable that overrides the host CPU feature list (comma-separated).
 FEATURES_ENV = "INFENG_CPU_FEATURES"

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import ModelFormatError, UnsupportedError
+from infeng_common.errors import ModelFormatError, UnsupportedError
+
 from ..ir import Graph
 
 #: The passes that turn an imported ONNX graph into the transformer graph hf.py builds.

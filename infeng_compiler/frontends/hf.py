@@ -11,7 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelFormatError, UnsupportedError
+from infeng_common.errors import ModelFormatError, UnsupportedError
+
 from ..ir import Graph, TensorType, Value, Weight
 from .checkpoint import TensorEntry, read_checkpoint
 

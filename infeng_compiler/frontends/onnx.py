@@ -21,9 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ModelFormatError, UnsupportedError
+from infeng_common.errors import ModelFormatError, UnsupportedError
+
 from ..ir import Graph, TensorType, Value, Weight
-from ..ir.ops import DTYPE_NUMPY, ONNX_PRIMITIVES, get as get_op
+from ..ir.ops import DTYPE_NUMPY, ONNX_PRIMITIVES
+from ..ir.ops import get as get_op
 
 #: ONNX TensorProto data types -> IR element types.
 ONNX_DTYPES = {1: "f32", 6: "i32", 7: "i64", 9: "bool", 10: "f16", 11: "f64", 16: "bf16"}

@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterator
 import networkx as nx
 import numpy as np
 
-from ..errors import IRError, ModelFormatError
+from infeng_common.errors import IRError, ModelFormatError
+
 from .types import DTYPES, TensorType, bf16_to_f32, f32_to_bf16
 
 

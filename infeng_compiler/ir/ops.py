@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import InfengError, IRError, UnsupportedError
+from infeng_common.errors import InfengError, IRError, UnsupportedError
+
 from .types import TensorType
 
 #: A shape rule returns the result types, or None where they depend on operand *values* (primitive
@@ -403,7 +404,7 @@ def _attend(q: np.ndarray, pos: np.ndarray, step, attrs: dict) -> np.ndarray:
     h, kvh, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
     window, layer, T = attrs.get("window"), attrs["layer"], q.shape[0]
     per_kv = h // kvh
-    from ..quant.kv import QUANTIZED, attention_kv_formats, integer_scores, query_codes, quantized_pv
+    from ..quant.kv import QUANTIZED, attention_kv_formats, integer_scores, quantized_pv, query_codes
 
     kf, vf, _ = attention_kv_formats(attrs)
     integer_k = kf in QUANTIZED

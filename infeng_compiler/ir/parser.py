@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import IRError
+from infeng_common.errors import IRError
+
 from .graph import Graph, Weight
 from .types import parse_type
 

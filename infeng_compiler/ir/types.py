@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import IRError
+from infeng_common.errors import IRError
+from infeng_common.safetensors import bf16_to_f32  # noqa: F401  (the IR's bf16 widening)
 
 #: Symbolic dimensions: tokens in the step, context length, rows that want logits.
 SYMBOLS = {"T": "tokens in the step", "S": "context length", "R": "rows that want logits"}
@@ -82,11 +83,6 @@ def parse_type(text: str) -> TensorType:
             part = part.strip()
             dims.append(int(part) if part.lstrip("-").isdigit() else part)
     return TensorType(m.group(1), tuple(dims))
-
-
-def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
-    """Widen raw bf16 bits (uint16) to float32 exactly."""
-    return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:

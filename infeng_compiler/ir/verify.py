@@ -1,7 +1,8 @@
 """The verifier: SSA well-formedness and shape rules, run after every pass."""
 from __future__ import annotations
 
-from ..errors import IRError
+from infeng_common.errors import IRError
+
 from . import ops
 from .graph import Graph
 

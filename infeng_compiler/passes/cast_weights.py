@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import InfengError
+from infeng_common.errors import InfengError
+
 from ..ir import Graph
 from .manager import register
 

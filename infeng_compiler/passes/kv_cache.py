@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InfengError
+from infeng_common.errors import InfengError
+
 from ..ir import Graph, Node, TensorType, Weight
 from ..quant.calibrate import calibration_args
 from ..quant.kv import KV_FORMATS, QUANTIZED, check_format, default_group, hadamard, is_power_of_two

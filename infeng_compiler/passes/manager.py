@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from ..errors import InfengError
+from infeng_common.errors import InfengError
+
 from ..ir import Graph, print_graph, verify
 
 

@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InfengError
+from infeng_common.errors import InfengError
+
 from ..ir import Graph, Node
 from ..quant.act import ACT_FORMS
 from ..quant.calibrate import calibration_args

@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import InfengError
+from infeng_common.errors import InfengError
+
 from ..ir import Graph
 from ..ir.ops import get as get_op
 

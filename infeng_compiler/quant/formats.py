@@ -46,7 +46,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..errors import InfengError
+from infeng_common.errors import InfengError
 
 ROWS_PER_BLOCK = 16          # output rows interleaved in one block of the packed layout
 ACT_BLOCK = 32               # activations are quantized to int8 per token in blocks of this many

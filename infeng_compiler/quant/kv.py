@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from ..errors import InfengError
+from infeng_common.errors import InfengError
 
 KV_FORMATS = ("f32", "f16", "int8", "int4")
 QUANTIZED = ("int8", "int4")

@@ -32,7 +32,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InfengError
+from infeng_common.errors import InfengError
+
 from ..ir import Graph
 from .formats import FLOAT_FORMATS, QUANT_FORMATS, get_format, is_quantized
 

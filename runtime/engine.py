@@ -107,15 +107,6 @@ class Engine:
             if kv_blocks < 1:
                 raise InfengError(f"KV memory {kv_memory} bytes holds no block (one block takes {block_bytes} bytes)")
         n_blocks = kv_blocks or max_seqs * -(-self.max_context // self.block_size)
-        available = available_memory()
-        if available is not None and n_blocks * block_bytes > available:
-            asked = f"{kv_memory} bytes of KV memory" if kv_memory is not None else \
-                f"a KV pool for {max_seqs} sequences of {self.max_context} tokens"
-            raise InfengError(f"{asked} takes {_gib(n_blocks * block_bytes)}, more than the {_gib(available)} of "
-                              f"memory available; lower --max-context or --max-seqs, or give a smaller --kv-memory")
-        if max_seqs > n_blocks:
-            raise InfengError(f"{max_seqs} sequences cannot run in a KV pool of {n_blocks} blocks; lower --max-seqs "
-                              f"or give more --kv-memory")
         capacity = n_blocks * self.block_size
         if self.max_context > capacity:
             if max_context is not None:
@@ -123,6 +114,14 @@ class Engine:
                                   f"of {self.block_size} tokens, {_gib(n_blocks * block_bytes)}); lower --max-context "
                                   f"or give more --kv-memory")
             self.max_context = capacity
+        # the pool, plus the block table and per-sequence bookkeeping (~100 bytes a sequence)
+        need = n_blocks * block_bytes + max_seqs * (4 * -(-self.max_context // self.block_size) + 100)
+        available = available_memory()
+        if available is not None and need > available:
+            asked = f"{kv_memory} bytes of KV memory" if kv_memory is not None else \
+                f"a KV pool for {max_seqs} sequences of {self.max_context} tokens"
+            raise InfengError(f"{asked} takes {_gib(need)}, more than the {_gib(available)} of memory available; "
+                              f"lower --max-context or --max-seqs, or give a smaller --kv-memory")
         return n_blocks
 
     @classmethod

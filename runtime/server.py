@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from infeng_compiler.errors import InfengError
+from infeng_common.errors import InfengError
 
 from .chat import ChatTemplateError, render_chat
 from .detokenize import ChoiceText, Delta, TokenTexts
@@ -307,7 +307,7 @@ class Server:
     def _models(self) -> list[dict[str, Any]]:
         entries = [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "infeng",
                     "root": str(self.engine.path), "parent": None}]
-        for name, entry in list(self.loop.adapters.items()):
+        for name, entry in list(self.loop.adapters.served.items()):
             entries.append({"id": name, "object": "model", "created": self.created, "owned_by": "infeng",
                             "root": str(entry.path), "parent": self.model_name})
         return entries
@@ -315,7 +315,7 @@ class Server:
     def _adapter_of(self, model: str) -> str | None:
         if model == self.model_name:
             return None
-        if model in self.loop.adapters:
+        if model in self.loop.adapters.served:
             return model
         raise APIError(404, f"the model {model!r} does not exist (serving: "
                        f"{', '.join(e['id'] for e in self._models())})", "not_found_error", "model", "model_not_found")
@@ -588,7 +588,7 @@ class Server:
         return {"id": name, "object": "model", "parent": self.model_name, "root": path, "slot": slot}
 
     async def unload_adapter(self, name: str):
-        if name not in self.loop.adapters:
+        if name not in self.loop.adapters.served:
             raise APIError(404, f"no adapter named {name!r} is loaded", "not_found_error", "name", "model_not_found")
         try:
             await asyncio.wrap_future(self.loop.unload_adapter(name))

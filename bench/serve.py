@@ -16,6 +16,11 @@ random places). Everything is on loopback. One JSON line per result:
 
 With the peer (llama.cpp's ``llama-server -np N``, same GGUF weights class, same thread count, same
 clients), ``ratio`` is infeng / llama-server in the same run.
+
+With ``--baseline-tree DIR`` (a checkout of an older commit, e.g. ``git worktree add /tmp/old
+COMMIT``), the same artifact is also served by that tree's runtime, in the same alternating rounds:
+``baseline_step_overhead_us`` and ``overhead_ratio`` (this tree / the old one) compare the Python
+time per step of the two runtimes on the same machine and clients.
 """
 from __future__ import annotations
 
@@ -27,13 +32,14 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import PEER, emit, ensure_artifact, ensure_gguf, ensure_model  # noqa: E402
+from decode import PEER, QUANT_TYPES, emit, ensure_artifact, ensure_gguf, ensure_model  # noqa: E402
 
 
 def free_port() -> int:
@@ -57,13 +63,33 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 3
     raise SystemExit(f"server at {url} did not come up in {timeout} s")
 
 
-def start_infeng(artifact: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
+def start_infeng(artifact: Path, args, log: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "infeng_compiler.cli", "serve", str(artifact), "--port", str(port),
            "--threads", str(args.threads), "--max-seqs", str(max(args.streams)), "--log-level", "warning",
            "--max-context", str(args.prompt_len + args.max_tokens + 16)]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def link_packages(tree: Path, workdir: Path) -> Path:
+    """A folder with ``tree``'s packages linked under their import names, as its pyproject.toml
+    maps them: put first on PYTHONPATH, it shadows this checkout's editable install."""
+    links = workdir / "baseline-packages"
+    links.mkdir(parents=True, exist_ok=True)
+    package_dir = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for name, folder in package_dir.items():
+        link = links / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(tree / folder)
+    return links
+
+
+def start_baseline(artifact: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
+    """``infeng serve`` from the checkout ``--baseline-tree``."""
+    links = link_packages(Path(args.baseline_tree).resolve(), Path(args.workdir))
+    return start_infeng(artifact, args, log, env={**os.environ, "PYTHONPATH": str(links)})
 
 
 def start_llama_server(gguf: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
@@ -129,9 +155,10 @@ def model_id(url: str) -> str:
 
 
 def run_server_level(kind: str, url: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    before = scrape(url) if kind == "infeng" else {}
+    ours = kind in ("infeng", "baseline")
+    before = scrape(url) if ours else {}
     result = asyncio.run(run_level(url, model_id(url), prompts, max_tokens))
-    if kind == "infeng":
+    if ours:
         after = scrape(url)
         steps = after["infeng_steps_total"] - before["infeng_steps_total"]
         step_s = after["infeng_step_seconds_total"] - before["infeng_step_seconds_total"]
@@ -146,6 +173,7 @@ class _StubEngine:
     the scheduler's own Python time (planning, arrays, sampling, handing outputs over)."""
 
     def __init__(self, artifact: Path, max_seqs: int, max_context: int):
+        from infeng_runtime.adapters import AdapterManager
         from infeng_runtime.kv_cache import BlockAllocator
         from infeng_runtime.tokenizer import Tokenizer
 
@@ -155,7 +183,7 @@ class _StubEngine:
         self.vocab_size, self.max_tokens, self.max_context = c["vocab_size"], c["max_tokens"], max_context
         self.kv = BlockAllocator(max_seqs * -(-max_context // c["block_size"]), c["block_size"], max_seqs, max_context)
         self.tokenizer = Tokenizer(artifact)
-        self.adapters: dict[str, int] = {}
+        self.adapters = AdapterManager([], 0, 0, self.manifest["name"], write=lambda *site: None)
         self._logits = np.zeros((max_seqs, self.vocab_size), dtype=np.float32)
         self._logits[:, 5] = 1.0
 
@@ -164,30 +192,54 @@ class _StubEngine:
 
 
 def scheduler_overhead(artifact: Path, args) -> None:
-    """Python time per step of EngineLoop.run_once over a stub engine, by concurrency."""
+    """Python time per step of EngineLoop.run_once over a stub engine, by concurrency; with
+    ``--baseline-tree`` the old tree's own script measures its runtime the same way, round after
+    round in turn with this one."""
+    for n in args.streams:
+        ours, base = [], []
+        for _ in range(args.rounds):
+            ours.append(loop_step_us(artifact, n, args))
+            if args.baseline_tree:
+                base.append(baseline_loop_step_us(artifact, n, args))
+        row = dict(bench="scheduler-overhead", streams=n, prompt_len=args.prompt_len,
+                   us_per_decode_step=round(min(ours), 1))
+        if base:
+            row.update(baseline_us_per_decode_step=round(min(base), 1), ratio=round(min(ours) / min(base), 3),
+                       us_all=[round(x, 1) for x in ours], baseline_us_all=[round(x, 1) for x in base])
+        emit(**row)
+
+
+def loop_step_us(artifact: Path, n: int, args) -> float:
+    """Median Python time of a decode step of ``n`` streams, in microseconds."""
     from infeng_runtime.loop import EngineLoop
     from infeng_runtime.sampling import SamplingParams
     from infeng_runtime.scheduler import Request
 
     rng = np.random.default_rng(0)
-    for n in args.streams:
-        per_step = []
-        for _ in range(args.rounds):
-            engine = _StubEngine(artifact, n, args.prompt_len + args.max_tokens + 16)
-            loop = EngineLoop(engine)
-            sink = lambda outs: None                       # noqa: E731  (the server's sink only hands over)
-            for i in range(n):
-                prompt = rng.integers(3, engine.vocab_size, size=args.prompt_len).tolist()
-                loop.submit(Request(f"r{i}", prompt, SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True),
-                                    sink=sink))
-            times = []
-            while loop.has_work():
-                t0 = time.perf_counter()
-                loop.run_once()
-                times.append(time.perf_counter() - t0)
-            per_step.append(1e6 * float(np.median(times[-args.max_tokens // 2:])))     # decode steps
-        emit(bench="scheduler-overhead", streams=n, vocab=engine.vocab_size, prompt_len=args.prompt_len,
-             us_per_decode_step=round(min(per_step), 1))
+    engine = _StubEngine(artifact, n, args.prompt_len + args.max_tokens + 16)
+    loop = EngineLoop(engine)
+    sink = lambda outs: None                       # noqa: E731  (the server's sink only hands over)
+    for i in range(n):
+        prompt = rng.integers(3, engine.vocab_size, size=args.prompt_len).tolist()
+        loop.submit(Request(f"r{i}", prompt, SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True),
+                            sink=sink))
+    times = []
+    while loop.has_work():
+        t0 = time.perf_counter()
+        loop.run_once()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * float(np.median(times[-args.max_tokens // 2:]))        # decode steps
+
+
+def baseline_loop_step_us(artifact: Path, n: int, args) -> float:
+    """``loop_step_us`` of the ``--baseline-tree`` checkout, by its own bench script."""
+    tree = Path(args.baseline_tree).resolve()
+    links = link_packages(tree, Path(args.workdir))
+    out = subprocess.run([sys.executable, str(tree / "bench" / "serve.py"), "--scheduler-only", "--artifact",
+                          str(artifact), "--streams", str(n), "--rounds", "1", "--prompt-len", str(args.prompt_len),
+                          "--max-tokens", str(args.max_tokens)], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(links)})
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["us_per_decode_step"])
 
 
 def main() -> None:
@@ -196,6 +248,8 @@ def main() -> None:
     ap.add_argument("--preset", default="smollm135")
     ap.add_argument("--model", help="a Hugging Face model dir instead of a preset")
     ap.add_argument("--dtype", default="f16", choices=["f32", "f16", "bf16"])
+    ap.add_argument("--quant", choices=sorted(QUANT_TYPES), help="quantized weights instead of --dtype")
+    ap.add_argument("--quant-args", default="", help="more quantize() arguments, e.g. embed=q4g32")
     ap.add_argument("--target", default="native")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--streams", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")])
@@ -204,6 +258,8 @@ def main() -> None:
     ap.add_argument("--workdir", default=str(Path.home() / ".cache" / "infeng" / "bench"))
     ap.add_argument("--rounds", type=int, default=3, help="alternating infeng/llama-server rounds per level")
     ap.add_argument("--no-peer", action="store_true", help="skip llama-server")
+    ap.add_argument("--baseline-tree", help="also serve the artifact from this older checkout (Python overhead "
+                                            "per step, side by side)")
     ap.add_argument("--scheduler-only", action="store_true",
                     help="only the scheduler's Python time per step, over a stub engine (no server, no kernels)")
     args = ap.parse_args()
@@ -223,7 +279,8 @@ def main() -> None:
     if args.scheduler_only:
         scheduler_overhead(artifact, args)
         return
-    servers = [("infeng", start_infeng, artifact)] + ([("llama-server", start_llama_server, gguf)] if gguf else [])
+    servers = [("infeng", start_infeng, artifact)] + ([("llama-server", start_llama_server, gguf)] if gguf else []) \
+        + ([("baseline", start_baseline, artifact)] if args.baseline_tree else [])
     procs, urls = [], {}
     try:
         for kind, start, path in servers:
@@ -249,6 +306,13 @@ def main() -> None:
                 peer = median_run(runs["llama-server"])
                 row.update(peer_tok_s=round(peer["tok_s"], 2), ratio=round(ours["tok_s"] / peer["tok_s"], 3),
                            peer_ttft_ms_p50=round(peer["ttft_ms_p50"], 1), peer_itl_ms_p50=round(peer["itl_ms_p50"], 2))
+            if "baseline" in runs:
+                base = median_run(runs["baseline"])
+                row.update(baseline_tok_s=round(base["tok_s"], 2),
+                           baseline_step_overhead_us=round(base["step_overhead_us"], 1),
+                           overhead_ratio=round(ours["step_overhead_us"] / base["step_overhead_us"], 3),
+                           overhead_us_all=[round(r["step_overhead_us"], 1) for r in runs["infeng"]],
+                           baseline_overhead_us_all=[round(r["step_overhead_us"], 1) for r in runs["baseline"]])
             emit(**row)
     finally:
         for proc in procs:

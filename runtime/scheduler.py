@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -39,6 +40,14 @@ from .kv_cache import BlockAllocator, block_hashes
 from .sampling import SamplingParams, sample
 
 NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this sequence"
+
+
+def _finite_at(logits: np.ndarray, rows: range | list[int], columns: list[int]) -> bool:
+    """Whether ``logits[rows[i], columns[i]]`` are all finite (one gather, no per-row numpy call)."""
+    if len(columns) == 1:
+        return math.isfinite(logits.item(rows[0], columns[0]))
+    vocab = logits.shape[1]
+    return all(map(math.isfinite, logits.reshape(-1).take([r * vocab + c for r, c in zip(rows, columns)]).tolist()))
 
 
 class RequestError(InfengError):
@@ -373,25 +382,24 @@ class Scheduler:
         sampled = plan.sampled
         greedy_rows = [r for r, s in enumerate(sampled) if s.greedy]
         if len(greedy_rows) == len(sampled):
-            greedy_tokens = logits.argmax(axis=1)
-            # argmax lands on a NaN or +Inf if the row has one, and on -Inf if the row is all -Inf
-            greedy_ok = np.isfinite(logits[np.arange(len(sampled)), greedy_tokens]).tolist()
-            greedy_tokens = greedy_tokens.tolist()
+            greedy_tokens = logits.argmax(axis=1).tolist()
+            greedy_finite = _finite_at(logits, range(len(sampled)), greedy_tokens)
         elif greedy_rows:
-            greedy_tokens = logits[greedy_rows].argmax(axis=1)
-            greedy_ok = np.isfinite(logits[greedy_rows, greedy_tokens]).tolist()
-            greedy_tokens = greedy_tokens.tolist()
+            greedy_tokens = logits[greedy_rows].argmax(axis=1).tolist()
+            greedy_finite = _finite_at(logits, greedy_rows, greedy_tokens)
         g = 0
         for r, seq in enumerate(sampled):
             if seq.greedy:
-                token, ok = greedy_tokens[g], greedy_ok[g]
+                token = greedy_tokens[g]
                 g += 1
+                # argmax lands on a NaN or +Inf if the row has one, on -Inf if the row is all -Inf
+                finite = greedy_finite or math.isfinite(logits.item(r, token))
             else:
-                ok = bool(np.isfinite(logits[r]).all())
-                token = sample(logits[r], seq.request.params, seq.rng) if ok else -1
+                finite = bool(np.isfinite(logits[r]).all())
+                token = sample(logits[r], seq.request.params, seq.rng) if finite else -1
             if seq.status != RUNNING:
                 continue
-            if not ok:
+            if not finite:
                 outs.append(self._finish(seq, "error", NON_FINITE))
                 continue
             outs.append(self._emit(seq, token, logits[r]))

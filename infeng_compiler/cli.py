@@ -444,6 +444,20 @@ def serve_command(artifact: Path = typer.Argument(..., help="compiled artifact d
                   no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="never share KV blocks"),
                   served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                                   help="the base model's id in the API"),
+                  api_key: Optional[str] = typer.Option(None, "--api-key", envvar="INFENG_API_KEY",
+                                                        help="require 'Authorization: Bearer KEY' on /v1 (prefer "
+                                                             "the INFENG_API_KEY environment variable)"),
+                  adapter_root: list[Path] = typer.Option([], "--adapter-root",
+                                                          help="allow POST /v1/adapters to load adapter "
+                                                               "directories under DIR (repeatable; off without it)"),
+                  trust_request_chat_template: bool = typer.Option(False, "--trust-request-chat-template",
+                                                                   help="run chat templates sent by clients"),
+                  max_request_bytes: str = typer.Option("4MiB", "--max-request-bytes",
+                                                        help="largest request body (413 beyond it)"),
+                  shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout",
+                                                         help="seconds running requests get to finish on "
+                                                              "SIGTERM/SIGINT"),
+                  log_format: str = typer.Option("text", "--log-format", help="text (key=value) or json"),
                   log_level: str = typer.Option("info", "--log-level")):
     """Serve ARTIFACT over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics)."""
     from infeng_common.manifest import is_artifact
@@ -455,7 +469,12 @@ def serve_command(artifact: Path = typer.Argument(..., help="compiled artifact d
                            kv_memory=parse_size(kv_memory, "--kv-memory") if kv_memory else None,
                            max_waiting=max_queue, max_batched_tokens=max_batched_tokens,
                            prefix_cache=not no_prefix_cache, served_model_name=served_model_name,
-                           adapters=parse_named_paths(adapter, "--adapter"), log_level=log_level)
+                           adapters=parse_named_paths(adapter, "--adapter"), log_level=log_level,
+                           log_format=log_format, api_key=api_key, adapter_roots=list(adapter_root),
+                           trust_request_chat_template=trust_request_chat_template,
+                           max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
+                           shutdown_timeout=shutdown_timeout)
+    options.check()
     serve(artifact, options)
 
 

@@ -3,11 +3,23 @@
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (both with SSE streaming), ``/v1/models``,
 ``POST /v1/adapters`` / ``DELETE /v1/adapters/{name}``, ``/health``, ``/metrics``.
 
-The event loop thread tokenizes, renders chat templates, detokenizes and checks stop strings; the
-engine loop thread only schedules and steps. Outputs come back once per step through one sink
-(``call_soon_threadsafe``) and are routed to per-request queues. Every error a client can cause is
-a 4xx with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; a full admission
-queue is 429 with ``Retry-After``. A client that goes away has its request aborted.
+In front of the handlers, three ASGI layers: ``RequestLog`` (request ids, one log line per request,
+a JSON 500 for anything unexpected), the request counter of ``/metrics``, and ``AccessGuard``
+(Host check on loopback, API key, JSON content type, body size). Every error a client can cause is
+a 4xx with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``.
+
+Work per request is bounded before it starts: strict JSON of bounded depth, at most
+``MAX_STOP_STRINGS`` stop strings, no more sequences than the queue can ever hold, no prompt with
+more characters than the context could hold as tokens. Chat templates and tokenizers run on a
+small thread pool under a time budget, never on the event loop thread, which only routes,
+detokenizes and writes streams. Outputs come back once per step through one sink (a pipe the
+event loop watches) and are routed to per-request queues. A client that goes away has its request
+aborted.
+
+Life cycle: SIGTERM or SIGINT stops admission (503), lets running requests finish for
+``--shutdown-timeout`` seconds, ends the rest (streams with an error event and ``[DONE]``, others
+with 503) and exits 0. If the engine loop dies, every waiting request is answered 503 at once,
+``/health`` says 503 and the process exits 1.
 """
 from __future__ import annotations
 
@@ -15,29 +27,54 @@ import asyncio
 import collections
 import ctypes
 import json
+import math
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
+import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infeng_common.errors import InfengError
 
-from .chat import ChatTemplateError, render_chat
+from .api_errors import APIError
+from .chat import SPECIAL_TOKEN_KEYS, ChatTemplateError, message_text, render_chat
 from .detokenize import ChoiceText, Delta, TokenTexts
-from .loop import EngineLoop
+from .http_guard import AccessGuard, AccessPolicy, AdapterRoots, is_loopback_address
+from .json_body import parse_json
+from .loop import EngineLoop, EngineStopped
 from .metrics import ServerMetrics
-from .sampling import SamplingParams
+from .request_log import LOG_FORMATS, LOG_LEVELS, LOGGER, InFlight, RequestLog, RequestRecord, configure_logging, record_of
+from .sampling import SEED_BOUND, SamplingParams
 from .scheduler import QueueFull, Request, RequestError, SeqOutput
 
+__all__ = ["APIError", "ServeOptions", "Server", "build_server", "serve"]
+
 DISCONNECT_POLL_SECONDS = 0.5
+#: Longest the text work of one request (chat template, tokenizer) may take; past it the request
+#: is dropped with 400. It runs on ``TEXT_WORKERS`` threads, never on the event loop thread.
+TEXT_WORK_SECONDS = 5.0
+TEXT_WORKERS = 2
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+PRIORITY_BOUND = 1000
+#: A prompt longer than ``max_context`` times this many characters (or the vocabulary's longest
+#: token, if longer) cannot fit in the context whatever it tokenizes to: refused without tokenizing.
+CHARS_PER_TOKEN = 16
+MAX_ADAPTER_NAME = 128
+#: ``chat_template_kwargs`` keys that would replace the renderer's own variables.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents", "chat_template",
+                                      "additional_special_tokens", *SPECIAL_TOKEN_KEYS})
+SHUTTING_DOWN = "the server is shutting down"
 
 
 # -- request bodies ---------------------------------------------------------------------------
@@ -52,14 +89,14 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, lt=SEED_BOUND)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None
     # extensions (as vLLM names them)
     top_k: int = Field(0, ge=0)
     ignore_eos: bool = False
-    priority: int = 0
+    priority: int = Field(0, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)
 
 
 class CompletionBody(_Body):
@@ -71,7 +108,7 @@ class CompletionBody(_Body):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")       # tool_calls, tool_call_id, name, ...
 
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
@@ -83,6 +120,7 @@ class ChatBody(_Body):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    chat_template: Optional[str] = None            # a client's template: only with --trust-request-chat-template
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
@@ -97,20 +135,6 @@ class AdapterBody(BaseModel):
 
 
 # -- errors -----------------------------------------------------------------------------------
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
 def _from_request_error(e: RequestError) -> APIError:
     type_ = "not_found_error" if e.status == 404 else "invalid_request_error"
     return APIError(e.status, str(e), type_, e.param, e.code)
@@ -121,11 +145,12 @@ def _queue_full(e: QueueFull) -> APIError:
                     {"Retry-After": str(max(1, round(e.retry_after)))})
 
 
+def _unavailable(message: str, code: str) -> APIError:
+    return APIError(503, message, "server_error", None, code)
+
+
 def _parse(model: type[BaseModel], raw: bytes) -> Any:
-    try:
-        data = json.loads(raw or b"null")
-    except ValueError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
@@ -136,16 +161,14 @@ def _parse(model: type[BaseModel], raw: bytes) -> Any:
         raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
 
 
+def _record(http: HTTPRequest) -> RequestRecord:
+    record = record_of(http.scope)
+    if record is None:                             # an app used without RequestLog in front
+        record = http.scope["infeng.record"] = RequestRecord(uuid.uuid4().hex[:16], http.method, http.url.path)
+    return record
+
+
 # -- per-request consumer state ---------------------------------------------------------------
-@dataclass
-class _Choice:
-    text: ChoiceText
-    request_id: str
-    index: int                                     # index within its engine request
-    first_at: float | None = None
-    last_at: float | None = None
-
-
 @dataclass
 class _Pending:
     """One HTTP request: its engine requests and the queue their outputs arrive on."""
@@ -228,41 +251,72 @@ class _AsyncSink:
 
 
 class Server:
-    """The API over one EngineLoop; ``app`` is the FastAPI application."""
+    """The API over one EngineLoop; ``app`` is the FastAPI application.
 
-    def __init__(self, loop: EngineLoop, model_name: str):
+    ``request_exit(code)`` is how the server asks whatever runs it to stop (``serve`` makes it stop
+    uvicorn; the process then exits with ``exit_code``): after a graceful shutdown (0) or when the
+    engine loop died (1)."""
+
+    def __init__(self, loop: EngineLoop, model_name: str, options: ServeOptions | None = None):
         self.loop = loop
         self.engine = loop.engine
         self.tokenizer = loop.engine.tokenizer
         if self.tokenizer is None:
             raise InfengError(f"{loop.engine.path}: the artifact has no tokenizer.json; it cannot be served")
+        self.options = options or ServeOptions()
         self.model_name = model_name
         self.created = int(time.time())
         self.metrics = ServerMetrics(loop)
         self.token_texts = TokenTexts(self.tokenizer)
+        self.adapter_roots = AdapterRoots(self.options.adapter_roots)
+        longest_token = max((len(t) for t in self.tokenizer.hf.get_vocab()), default=1)
+        self.max_prompt_chars = max(CHARS_PER_TOKEN, longest_token) * loop.scheduler.max_context
         self.sink: _AsyncSink | None = None
+        self.event_loop: asyncio.AbstractEventLoop | None = None
+        self.text_pool: ThreadPoolExecutor | None = None
+        self.in_flight = InFlight()
+        self.draining = False
+        self.exit_code: int | None = None
+        self.request_exit: Callable[[int], None] = self._note_exit
+        loop.on_fatal = self._on_fatal
         self.app = self._build_app()
 
     # -- app ----------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(app: FastAPI):
-            self.sink = _AsyncSink(asyncio.get_running_loop())
+            self.event_loop = asyncio.get_running_loop()
+            self.sink = _AsyncSink(self.event_loop)
+            self.text_pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="infeng-text")
             self.loop.start()
+            LOGGER.info("serving", extra={"fields": self.describe()})
             try:
                 yield
             finally:
                 self.loop.stop()
                 self.sink._drain()
                 self.sink.close()
+                self.text_pool.shutdown(wait=False, cancel_futures=True)
 
-        app = FastAPI(title="infeng", lifespan=lifespan)
+        app = FastAPI(title="infeng", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         metrics = self.metrics
+        options = self.options
+        # the last added is the outermost: RequestLog -> _CountRequests -> AccessGuard -> routes
+        app.add_middleware(AccessGuard, policy=AccessPolicy(options.api_key, is_loopback_address(options.host),
+                                                            options.max_request_bytes))
         app.add_middleware(_CountRequests, metrics=metrics)
+        app.add_middleware(RequestLog, in_flight=self.in_flight)
 
         @app.exception_handler(APIError)
         async def api_error(request: HTTPRequest, e: APIError):
             return e.response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: HTTPRequest, e: StarletteHTTPException):
+            message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on "
+                       f"{request.url.path}"}.get(e.status_code, str(e.detail))
+            return APIError(e.status_code, message, code="not_found" if e.status_code == 404 else None,
+                            headers=e.headers).response()
 
         @app.post("/v1/completions")
         async def completions(request: HTTPRequest):
@@ -293,9 +347,11 @@ class Server:
 
         @app.get("/health")
         async def health():
-            if not self.loop.alive:
+            if self.loop.error is not None or not self.loop.alive:
                 reason = f": {self.loop.error}" if self.loop.error else ""
                 return JSONResponse({"status": "error", "message": f"engine loop stopped{reason}"}, status_code=503)
+            if self.draining:
+                return JSONResponse({"status": "draining", "message": SHUTTING_DOWN}, status_code=503)
             return {"status": "ok"}
 
         @app.get("/metrics")
@@ -304,12 +360,28 @@ class Server:
 
         return app
 
+    def describe(self) -> dict[str, Any]:
+        """What the start-up log line says: the model, the machine side and the limits."""
+        engine, kv = self.engine, self.loop.scheduler.kv
+        try:
+            block_bytes = int(engine.lib.ife_kv_block_bytes())
+        except AttributeError:
+            block_bytes = 0
+        opts = self.options
+        return {"model": self.model_name, "artifact": str(engine.path), "target": engine.manifest.get("target"),
+                "threads": getattr(engine, "threads", None), "kv_blocks": kv.n_blocks,
+                "kv_bytes": kv.n_blocks * block_bytes, "max_seqs": kv.max_seqs,
+                "max_context": self.loop.scheduler.max_context, "max_queue": self.loop.scheduler.max_waiting,
+                "adapters": ",".join(self.loop.adapters.served) or "-", "host": opts.host, "port": opts.port,
+                "api_key": "on" if opts.api_key else "off",
+                "adapter_roots": len(self.adapter_roots.roots), "max_request_bytes": opts.max_request_bytes}
+
     def _models(self) -> list[dict[str, Any]]:
         entries = [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "infeng",
-                    "root": str(self.engine.path), "parent": None}]
-        for name, entry in list(self.loop.adapters.served.items()):
+                    "root": self.model_name, "parent": None}]
+        for name in list(self.loop.adapters.served):
             entries.append({"id": name, "object": "model", "created": self.created, "owned_by": "infeng",
-                            "root": str(entry.path), "parent": self.model_name})
+                            "root": name, "parent": self.model_name})
         return entries
 
     def _adapter_of(self, model: str) -> str | None:
@@ -320,6 +392,52 @@ class Server:
         raise APIError(404, f"the model {model!r} does not exist (serving: "
                        f"{', '.join(e['id'] for e in self._models())})", "not_found_error", "model", "model_not_found")
 
+    # -- life cycle ---------------------------------------------------------------------------
+    def _admitting(self) -> None:
+        """Raise 503 unless new work is accepted (the engine loop is up, no shutdown under way)."""
+        if self.loop.error is not None:
+            raise _unavailable(f"the engine loop failed ({self.loop.error}); the server is exiting", "engine_stopped")
+        if self.draining:
+            raise _unavailable(f"{SHUTTING_DOWN} and accepts no new requests", "shutting_down")
+
+    def _note_exit(self, code: int) -> None:
+        if self.exit_code is None:
+            self.exit_code = code
+
+    def _on_fatal(self, error: BaseException) -> None:
+        """The engine loop died (called on its thread, after every request in flight got an error)."""
+        event_loop = self.event_loop
+        if event_loop is not None and not event_loop.is_closed():
+            event_loop.call_soon_threadsafe(self._fatal, error)
+
+    def _fatal(self, error: BaseException) -> None:
+        LOGGER.error("engine loop failed; exiting", extra={"fields": {"error": f"{type(error).__name__}: {error}"}})
+        self.request_exit(1)
+
+    async def shutdown(self, timeout: float) -> None:
+        """Stop admission, let the requests in flight finish for ``timeout`` seconds, end the rest
+        (their clients get an error: an SSE error event then ``[DONE]``, or 503), then
+        ``request_exit(0)``."""
+        if self.draining:
+            return
+        self.draining = True
+        clock = asyncio.get_running_loop().time
+        LOGGER.info("shutting down", extra={"fields": {"in_flight": self.in_flight.count, "timeout_s": timeout}})
+        deadline = clock() + timeout
+        while self.in_flight.count and clock() < deadline:
+            await asyncio.sleep(0.05)
+        with self.loop.lock:
+            left = list(self.loop.scheduler.requests)
+        if left:
+            LOGGER.warning("ending requests at the shutdown timeout", extra={"fields": {"requests": len(left)}})
+            for rid in left:
+                self.loop.abort(rid, error=f"{SHUTTING_DOWN}: the request did not finish within the shutdown "
+                                           f"timeout ({timeout:g} s)")
+            deadline = clock() + 5.0              # their handlers answer at once; let them write it
+            while self.in_flight.count and clock() < deadline:
+                await asyncio.sleep(0.02)
+        self.request_exit(0)
+
     # -- shared request plumbing -----------------------------------------------------------------
     def _params(self, body: _Body, max_tokens: int | None, default_max: int) -> SamplingParams:
         if body.presence_penalty or body.frequency_penalty:
@@ -327,6 +445,10 @@ class Server:
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise APIError(400, f"a stop string may have at most {MAX_STOP_CHARS} characters", param="stop")
         try:
             return SamplingParams(max_new_tokens=default_max if max_tokens is None else max_tokens,
                                   temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
@@ -334,8 +456,41 @@ class Server:
         except InfengError as e:
             raise APIError(400, str(e)) from None
 
+    def _check_sequences(self, count: int) -> None:
+        """A request of ``count`` sequences (n x prompts) must fit in the admission queue at all."""
+        bound = self.loop.scheduler.max_waiting
+        if count > bound:
+            raise APIError(400, f"the request asks for {count} sequences (n x prompts); this server queues at most "
+                                f"{bound} (--max-queue), so it could never be admitted", param="n")
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            context = self.loop.scheduler.max_context
+            raise APIError(400, f"the prompt has {chars} characters; this model's context is {context} tokens, "
+                                f"which no prompt longer than {self.max_prompt_chars} characters fits in",
+                           param=param, code="context_length_exceeded")
+
+    async def _text_work(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the text thread pool, within ``TEXT_WORK_SECONDS``."""
+        future = self.text_pool.submit(fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), TEXT_WORK_SECONDS)
+        except asyncio.TimeoutError:
+            future.cancel()
+            raise APIError(400, f"preparing the prompt (chat template, tokenizer) took longer than "
+                                f"{TEXT_WORK_SECONDS:g} s; the request was dropped", code="prompt_too_expensive") from None
+
+    def _encode(self, texts: list[str], add_bos: bool | None) -> list[list[int]]:
+        """``Tokenizer.encode`` of each text, through ``encode_batch``: unlike ``encode`` it releases
+        the GIL, so the event loop thread keeps writing streams meanwhile."""
+        tok = self.tokenizer
+        bos = [tok.bos_token_id] if (tok.add_bos if add_bos is None else add_bos) and \
+            tok.bos_token_id is not None else []
+        return [bos + e.ids for e in tok.hf.encode_batch(texts, add_special_tokens=False)]
+
     def _submit(self, prompts: list[list[int]], params: list[SamplingParams], n: int, adapter: str | None,
                 priority: int, logprobs: int | None, prefix: str) -> _Pending:
+        self._admitting()
         pending = _Pending(asyncio.Queue(), time.monotonic())
         requests = []
         for p_index, (ids, p) in enumerate(zip(prompts, params)):
@@ -352,9 +507,11 @@ class Server:
             for req in requests:
                 self.loop.submit(req)
                 accepted.append(req)
-        except (QueueFull, RequestError) as e:
+        except (QueueFull, RequestError, EngineStopped) as e:
             for req in accepted:                     # all or nothing
                 self.loop.abort(req.request_id)
+            if isinstance(e, EngineStopped):
+                raise _unavailable(str(e), "engine_stopped") from None
             raise (_queue_full(e) if isinstance(e, QueueFull) else _from_request_error(e)) from None
         for p_index, req in enumerate(requests):
             for i in range(n):
@@ -366,13 +523,14 @@ class Server:
         for rid in {rid for rid, _ in pending.choices}:
             self.loop.abort(rid)
 
-    async def _events(self, pending: _Pending, texts: list[ChoiceText], http: HTTPRequest | None
-                      ) -> AsyncIterator[list[tuple[int, Delta]]]:
+    async def _events(self, pending: _Pending, texts: list[ChoiceText], http: HTTPRequest | None,
+                      record: RequestRecord) -> AsyncIterator[list[tuple[int, Delta]]]:
         """Deltas as outputs arrive, until every choice is done; aborts if the client leaves."""
         metrics = self.metrics
         first: dict[int, float] = {}
         last: dict[int, float] = {}
         next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
+        record.prompt_tokens = pending.prompt_tokens
         try:
             while not all(t.done for t in texts):
                 try:
@@ -383,6 +541,7 @@ class Server:
                 if http is not None and now >= next_check:       # a non-streamed request's client
                     next_check = now + DISCONNECT_POLL_SECONDS
                     if await http.is_disconnected():
+                        record.disconnected = True
                         return
                 batch = []
                 for o in outs:
@@ -395,6 +554,8 @@ class Server:
                         if c not in first:
                             first[c] = now
                             metrics.ttft.observe(now - pending.arrival)
+                            if record.first_token_at is None:
+                                record.first_token_at = now
                         else:
                             metrics.itl.observe(now - last[c])
                         last[c] = now
@@ -407,18 +568,29 @@ class Server:
                     yield batch
             metrics.e2e.observe(time.monotonic() - pending.arrival)
         finally:
+            record.completion_tokens = sum(len(t.token_ids) for t in texts)
             if not all(t.done for t in texts):
                 self._abort_all(pending)
 
-    async def _guarded(self, chunks: AsyncIterator[str], pending: _Pending, texts: list[ChoiceText]
-                       ) -> AsyncIterator[str]:
-        """The SSE chunks; a client that goes away mid-stream has its request aborted at once."""
+    async def _guarded(self, chunks: AsyncIterator[str], pending: _Pending, texts: list[ChoiceText],
+                       record: RequestRecord) -> AsyncIterator[str]:
+        """The SSE chunks; a client that goes away mid-stream has its request aborted at once, and
+        an unexpected error ends the stream with an error event and ``[DONE]``."""
+        failed = False
         try:
             async for chunk in chunks:
                 yield chunk
+        except Exception as e:
+            failed = True
+            record.error = f"{type(e).__name__}: {e}"
+            LOGGER.exception("unhandled error in a stream", extra={"fields": {"id": record.request_id}})
+            yield _sse({"error": APIError(500, f"internal server error (request id {record.request_id}); it has "
+                                               f"been logged", "server_error", code="internal_error").body()["error"]})
+            yield "data: [DONE]\n\n"
         finally:
             if not all(t.done for t in texts):
                 self._abort_all(pending)
+                record.disconnected = not failed
 
     @staticmethod
     def _usage(pending: _Pending, texts: list[ChoiceText]) -> dict[str, Any]:
@@ -431,26 +603,49 @@ class Server:
     def _finish_reason(text: ChoiceText) -> str:
         return text.finish_reason if text.finish_reason in ("stop", "length") else (text.finish_reason or "abort")
 
-    def _check_errors(self, texts: list[ChoiceText]) -> None:
+    def _failure(self, finish_reason: str | None, error: str | None) -> APIError | None:
+        """The error a choice that ended this way gives its client: 500 when its sequence failed
+        alone, 503 when the engine loop died or the server ended it at shutdown."""
+        if finish_reason == "error":
+            if self.loop.error is not None:
+                return _unavailable(error or f"the engine loop failed: {self.loop.error}", "engine_stopped")
+            return APIError(500, f"generation failed: {error}", "server_error", code="engine_error")
+        if finish_reason == "abort" and error:
+            return _unavailable(error, "shutting_down")
+        return None
+
+    def _check_errors(self, texts: list[ChoiceText], record: RequestRecord) -> None:
         for t in texts:
-            if t.finish_reason == "error":
-                raise APIError(500, f"generation failed: {t.error}", "server_error", code="engine_error")
+            failure = self._failure(t.finish_reason, t.error)
+            if failure is not None:
+                record.error = failure.message
+                raise failure
+
+    def _error_event(self, delta: Delta, record: RequestRecord) -> str | None:
+        failure = self._failure(delta.finish_reason, delta.error)
+        if failure is None:
+            return None
+        record.error = failure.message
+        return _sse({"error": failure.body()["error"]})
 
     # -- /v1/completions ----------------------------------------------------------------------
     async def completions(self, http: HTTPRequest):
+        record = _record(http)
+        self._admitting()
         body: CompletionBody = _parse(CompletionBody, await http.body())
-        adapter = self._adapter_of(body.model)
+        record.model = body.model
+        adapter = record.adapter = self._adapter_of(body.model)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of must equal n", param="best_of")
-        prompts = self._completion_prompts(body.prompt)
-        params = [self._params(body, body.max_tokens, 16) for _ in prompts]
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        pending = self._submit(prompts, params, body.n, adapter, body.priority, body.logprobs, rid)
-        stops = params[0].stop
+        params = self._params(body, body.max_tokens, 16)
+        prompts = await self._completion_prompts(body.prompt, body.n)
+        rid = f"cmpl-{record.request_id}"
+        pending = self._submit(prompts, [params] * len(prompts), body.n, adapter, body.priority, body.logprobs, rid)
+        stops = params.stop
         texts = [ChoiceText(self.tokenizer, prompts[c // body.n], stops, body.logprobs is not None)
                  for c in range(len(prompts) * body.n)]
         created = int(time.time())
@@ -459,11 +654,11 @@ class Server:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
 
             async def sse():
-                async for batch in self._events(pending, texts, None):
+                async for batch in self._events(pending, texts, None, record):
                     for c, delta in batch:
-                        if delta.finish_reason == "error":
-                            yield _sse({"error": APIError(500, f"generation failed: {delta.error}", "server_error",
-                                                          code="engine_error").body()["error"]})
+                        event = self._error_event(delta, record)
+                        if event is not None:
+                            yield event
                             continue
                         choice = {"index": c, "text": delta.text,
                                   "logprobs": self._completion_logprobs(delta.logprobs, body.logprobs)
@@ -474,31 +669,42 @@ class Server:
                     yield _sse({**base, "choices": [], "usage": self._usage(pending, texts)})
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(self._guarded(sse(), pending, texts), media_type="text/event-stream",
+            return StreamingResponse(self._guarded(sse(), pending, texts, record), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        async for _ in self._events(pending, texts, http):
+        async for _ in self._events(pending, texts, http, record):
             pass
         if not all(t.done for t in texts):
             return Response(status_code=499)
-        self._check_errors(texts)
+        self._check_errors(texts, record)
         choices = [{"index": c, "text": t.text,
                     "logprobs": self._completion_logprobs(t.entries, body.logprobs) if body.logprobs is not None
                     else None, "finish_reason": self._finish_reason(t)} for c, t in enumerate(texts)]
         return {**base, "choices": choices, "usage": self._usage(pending, texts)}
 
-    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+    async def _completion_prompts(self, prompt: Any, n: int) -> list[list[int]]:
+        """Token ids of each prompt; text is bounded by characters first, then tokenized off the
+        event loop thread."""
+        texts: list[str] = []
         if isinstance(prompt, str):
-            prompts = [self.tokenizer.encode(prompt)]
+            texts = [prompt]
         elif prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [self.tokenizer.encode(p) for p in prompt]
+            texts = list(prompt)
         elif prompt and all(isinstance(p, int) for p in prompt):
             prompts = [list(prompt)]
         elif prompt and all(isinstance(p, list) for p in prompt):
             prompts = [list(p) for p in prompt]
         else:
             raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
-        vocab = self.engine.vocab_size
+        self._check_sequences(n * len(texts or prompts))
+        if texts:
+            for text in texts:
+                self._check_chars(len(text), "prompt")
+            return await self._text_work(self._encode, texts, None)
+        vocab, context = self.engine.vocab_size, self.loop.scheduler.max_context
         for ids in prompts:
+            if len(ids) > context:
+                raise APIError(400, f"this model's context is {context} tokens; the prompt has {len(ids)}",
+                               param="prompt", code="context_length_exceeded")
             if any(not 0 <= t < vocab for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return prompts
@@ -511,21 +717,37 @@ class Server:
 
     # -- /v1/chat/completions -----------------------------------------------------------------
     async def chat(self, http: HTTPRequest):
+        record = _record(http)
+        self._admitting()
         body: ChatBody = _parse(ChatBody, await http.body())
-        adapter = self._adapter_of(body.model)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        record.model = body.model
+        adapter = record.adapter = self._adapter_of(body.model)
+        self._check_sequences(body.n)
+        kwargs = dict(body.chat_template_kwargs or {})
+        template = body.chat_template if body.chat_template is not None else kwargs.pop("template", None)
+        if template is not None:
+            param = "chat_template" if body.chat_template is not None else "chat_template_kwargs.template"
+            if not self.options.trust_request_chat_template:
+                raise APIError(400, "this server does not run chat templates sent by clients (start it with "
+                                    "--trust-request-chat-template to allow them)", param=param)
+            if not isinstance(template, str):
+                raise APIError(400, "a chat template must be a string", param=param)
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}: the server renders those "
+                                f"itself", param="chat_template_kwargs")
+        messages = [self._message(m, i) for i, m in enumerate(body.messages)]
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = render_chat(self.tokenizer, messages, body.add_generation_prompt,
-                               **(body.chat_template_kwargs or {}))
+            ids = await self._text_work(self._render, messages, body.add_generation_prompt, template, kwargs)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
-        ids = self.tokenizer.encode(text, add_bos=False)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         kv = self.loop.scheduler.kv
         room = max(1, min(self.loop.scheduler.max_context, kv.n_blocks * kv.block_size) - len(ids))
         params = self._params(body, max_tokens, room)
         k = (body.top_logprobs or 0) if body.logprobs else None
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{record.request_id}"
         pending = self._submit([ids], [params], body.n, adapter, body.priority, k, rid)
         texts = [ChoiceText(self.tokenizer, ids, params.stop, body.logprobs) for _ in range(body.n)]
         base = {"id": rid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
@@ -537,11 +759,11 @@ class Server:
                 for c in range(body.n):
                     yield _sse({**base, "choices": [{"index": c, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}]})
-                async for batch in self._events(pending, texts, None):
+                async for batch in self._events(pending, texts, None, record):
                     for c, delta in batch:
-                        if delta.finish_reason == "error":
-                            yield _sse({"error": APIError(500, f"generation failed: {delta.error}", "server_error",
-                                                          code="engine_error").body()["error"]})
+                        event = self._error_event(delta, record)
+                        if event is not None:
+                            yield event
                             continue
                         lp = {"content": self._chat_logprobs(delta.logprobs)} if body.logprobs else None
                         if delta.text or delta.logprobs:
@@ -554,17 +776,40 @@ class Server:
                     yield _sse({**base, "choices": [], "usage": self._usage(pending, texts)})
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(self._guarded(sse(), pending, texts), media_type="text/event-stream",
+            return StreamingResponse(self._guarded(sse(), pending, texts, record), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        async for _ in self._events(pending, texts, http):
+        async for _ in self._events(pending, texts, http, record):
             pass
         if not all(t.done for t in texts):
             return Response(status_code=499)
-        self._check_errors(texts)
+        self._check_errors(texts, record)
         choices = [{"index": c, "message": {"role": "assistant", "content": t.text},
                     "logprobs": {"content": self._chat_logprobs(t.entries)} if body.logprobs else None,
                     "finish_reason": self._finish_reason(t)} for c, t in enumerate(texts)]
         return {**base, "choices": choices, "usage": self._usage(pending, texts)}
+
+    @staticmethod
+    def _message(message: ChatMessage, index: int) -> dict[str, Any]:
+        """A message as the template sees it: content parts joined, ``content: null`` (an
+        assistant turn that only calls tools) as empty text."""
+        if isinstance(message.content, list):
+            for part in message.content:
+                if part.get("type", "text") == "text" and not isinstance(part.get("text", ""), str):
+                    raise APIError(400, "a text content part's text must be a string", param=f"messages.{index}.content")
+        out = message.model_dump(exclude_none=True)
+        out["content"] = message_text(message.content) if message.content is not None else ""
+        return out
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, template: str | None,
+                kwargs: dict[str, Any]) -> list[int]:
+        """The prompt's token ids (on a text worker thread)."""
+        try:
+            text = render_chat(self.tokenizer, messages, add_generation_prompt, template=template, **kwargs)
+        except ChatTemplateError:
+            raise
+        except Exception as e:                      # a template that trips over these messages' values
+            raise ChatTemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+        return self._encode([text], False)[0]
 
     def _chat_logprobs(self, entries) -> list[dict[str, Any]]:
         tt = self.token_texts
@@ -574,18 +819,31 @@ class Server:
 
     # -- adapters -----------------------------------------------------------------------------
     async def load_adapter(self, http: HTTPRequest):
+        record = _record(http)
+        if not self.adapter_roots:
+            raise APIError(403, "this server does not load adapters at runtime (start it with --adapter-root DIR "
+                                "to allow adapter directories under DIR)", param="path", code="adapter_loads_disabled")
+        self._admitting()
         body: AdapterBody = _parse(AdapterBody, await http.body())
-        name, path = body.name or body.lora_name, body.path or body.lora_path
-        if not name or not path:
+        name, given = body.name or body.lora_name, body.path or body.lora_path
+        if not name or not given:
             raise APIError(400, "give the adapter's name and path: {\"name\": ..., \"path\": ...}",
                            param="name" if not name else "path")
+        record.model = record.adapter = name
+        if len(name) > MAX_ADAPTER_NAME or not name.isprintable() or any(c.isspace() for c in name):
+            raise APIError(400, f"an adapter name has at most {MAX_ADAPTER_NAME} printable characters and no "
+                                f"spaces", param="name")
         if name == self.model_name:
             raise APIError(400, f"{name!r} is the base model's name", param="name")
+        path = self.adapter_roots.confine(given)
         try:
             slot = await asyncio.wrap_future(self.loop.load_adapter(name, path, body.scale))
         except InfengError as e:
-            raise APIError(400, str(e), param="path", code="adapter_load_failed") from None
-        return {"id": name, "object": "model", "parent": self.model_name, "root": path, "slot": slot}
+            raise APIError(400, str(e).replace(str(path), given), param="path", code="adapter_load_failed") from None
+        except Exception as e:                      # a file the readers choke on (safetensors, OS errors)
+            raise APIError(400, f"the adapter at {given!r} cannot be read ({type(e).__name__})", param="path",
+                           code="adapter_load_failed") from None
+        return {"id": name, "object": "model", "parent": self.model_name, "root": name, "slot": slot}
 
     async def unload_adapter(self, name: str):
         if name not in self.loop.adapters.served:
@@ -646,12 +904,40 @@ class ServeOptions:
     served_model_name: str | None = None
     adapters: dict[str, Path] = field(default_factory=dict)
     log_level: str = "info"
+    log_format: str = "text"
+    api_key: str | None = None
+    adapter_roots: list[Path] = field(default_factory=list)
+    trust_request_chat_template: bool = False
+    max_request_bytes: int = 4 * 2 ** 20
+    shutdown_timeout: float = 30.0
+
+    def check(self) -> None:
+        """Raise InfengError (one line, naming the flag) for a value out of range."""
+        ranges = [("--port", self.port, 1, 65535), ("--threads", self.threads, 0, None),
+                  ("--max-seqs", self.max_seqs, 1, None), ("--max-context", self.max_context, 1, None),
+                  ("--max-queue", self.max_waiting, 1, None), ("--max-batched-tokens", self.max_batched_tokens, 1, None),
+                  ("--max-request-bytes", self.max_request_bytes, 1024, None),
+                  ("--shutdown-timeout", self.shutdown_timeout, 0, None)]
+        for flag, value, low, high in ranges:
+            if value is None:
+                continue
+            if not math.isfinite(value) or value < low or (high is not None and value > high):
+                bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+                raise InfengError(f"{flag} {value}: must be {bound}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise InfengError(f"--log-level {self.log_level}: must be one of {', '.join(LOG_LEVELS)}")
+        if self.log_format not in LOG_FORMATS:
+            raise InfengError(f"--log-format {self.log_format}: must be one of {', '.join(LOG_FORMATS)}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise InfengError("--api-key (or INFENG_API_KEY) is empty")
+        AdapterRoots(self.adapter_roots)
 
 
 def build_server(artifact: str | Path, options: ServeOptions) -> Server:
     """Load the artifact and its adapters; every problem raises InfengError before anything listens."""
     from .engine import Engine
 
+    options.check()
     engine = Engine(artifact, threads=options.threads, max_seqs=options.max_seqs, max_context=options.max_context,
                     kv_memory=options.kv_memory)
     if engine.tokenizer is None:
@@ -660,12 +946,47 @@ def build_server(artifact: str | Path, options: ServeOptions) -> Server:
                       prefix_cache=options.prefix_cache)
     for name, path in options.adapters.items():
         loop.load_adapter(name, path).result()
-    return Server(loop, options.served_model_name or engine.manifest.get("name") or Path(artifact).name)
+    return Server(loop, options.served_model_name or engine.manifest.get("name") or Path(artifact).name, options)
 
 
 def serve(artifact: str | Path, options: ServeOptions) -> None:
-    import uvicorn
-
+    """Run the server until SIGTERM/SIGINT (drained, exit 0) or until the engine loop dies (exit 1)."""
+    options.check()
+    configure_logging(options.log_level, options.log_format)
     server = build_server(artifact, options)
-    uvicorn.run(server.app, host=options.host, port=options.port, log_level=options.log_level, access_log=False,
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level,
+                            log_config=None, access_log=False, timeout_graceful_shutdown=5)
+    runner = _UvicornServer(config, server)
+
+    def request_exit(code: int) -> None:
+        if server.exit_code is None:
+            server.exit_code = code
+        runner.should_exit = True
+
+    server.request_exit = request_exit
+    runner.run()
+    if server.exit_code:
+        raise SystemExit(server.exit_code)
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn's server with this shutdown: the first SIGTERM/SIGINT starts ``Server.shutdown``
+    (drain, then exit 0); a second one exits at once (code 1). The signals are not re-raised after
+    serving, as uvicorn would, so a drained server exits 0 rather than by the signal."""
+
+    def __init__(self, config: uvicorn.Config, api: Server):
+        super().__init__(config)
+        self.api = api
+        self.signalled = False
+
+    def handle_exit(self, sig, frame) -> None:
+        event_loop = self.api.event_loop
+        if self.signalled or event_loop is None:
+            if self.signalled:
+                self.api._note_exit(1)
+                self.force_exit = True
+            self.should_exit = True
+            return
+        self.signalled = True
+        event_loop.call_soon_threadsafe(
+            lambda: event_loop.create_task(self.api.shutdown(self.api.options.shutdown_timeout)))

@@ -34,7 +34,9 @@ def adapter_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(artifact, adapter_dirs, tmp_path_factory):
     args = [a for name, path in adapter_dirs.items() for a in ("--adapter", f"{name}={path}")]
-    with running_server(artifact, *args, "--max-seqs", "8", log=tmp_path_factory.mktemp("log") / "serve.log") as url:
+    root = adapter_dirs[ADAPTER_NAMES[0]].parent               # runtime loads read adapters under it
+    with running_server(artifact, *args, "--max-seqs", "8", "--adapter-root", str(root),
+                        log=tmp_path_factory.mktemp("log") / "serve.log") as url:
         yield url
 
 
@@ -218,8 +220,8 @@ def test_bad_bodies(server):
     assert r.status_code == 400 and "JSON" in _error(r)["message"]
     r = httpx.post(f"{server}/v1/chat/completions", json={"model": "stories260K", "messages": []}, timeout=30)
     assert r.status_code == 400 and _error(r)["param"] == "messages"
-    r = httpx.post(f"{server}/v1/adapters", json={"name": "x", "path": "/no/such/dir"}, timeout=30)
-    assert r.status_code == 400 and "/no/such/dir" in _error(r)["message"]
+    r = httpx.post(f"{server}/v1/adapters", json={"name": "x", "path": "no/such/dir"}, timeout=30)
+    assert r.status_code == 400 and "no/such/dir" in _error(r)["message"]
     r = httpx.delete(f"{server}/v1/adapters/never-loaded", timeout=30)
     assert r.status_code == 404 and _error(r)["code"] == "model_not_found"
 
@@ -231,8 +233,8 @@ def test_openai_client_raises_typed_errors(client):
         client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=2, temperature=-1)
 
 
-def test_load_and_unload_adapter_while_serving(server, client, reference, adapter_dirs, tmp_path):
-    path = write_adapter(tmp_path / "a4", seed=200)
+def test_load_and_unload_adapter_while_serving(server, client, reference, adapter_dirs):
+    path = write_adapter(adapter_dirs[ADAPTER_NAMES[0]].parent / "a4", seed=200)      # under --adapter-root
     r = httpx.post(f"{server}/v1/adapters", json={"name": "a4", "path": str(path)}, timeout=60)
     assert r.status_code == 200, r.text
     assert "a4" in [m.id for m in client.models.list().data]

@@ -1,0 +1,240 @@
+"""Access checks in front of the API, as plain ASGI (they answer before FastAPI parses anything).
+
+In order, for every HTTP request:
+
+1. **Host** (only when the server is bound to a loopback address): the ``Host`` header must name
+   loopback (``localhost``, ``127.x.x.x``, ``[::1]``, any port), else 421. A web page the user
+   opens cannot reach a loopback server through a DNS name it controls (DNS rebinding).
+2. **API key** (``--api-key``): every path but ``/health`` and ``/metrics`` needs
+   ``Authorization: Bearer <key>``, compared in constant time, else 401.
+3. **Content type**: a request with a body must be ``application/json`` (a ``charset`` other than
+   utf-8 is refused too), else 415: a web page can send ``text/plain`` across origins without a
+   CORS preflight, never ``application/json``.
+4. **Body size**: more than ``max_request_bytes`` (by ``Content-Length``, or counted while a
+   chunked body arrives) is 413. The body is read here, whole, and handed on.
+
+A refused request's body is read and dropped (up to ``DRAIN_BYTES``) before the answer, so the
+client, still writing, reads the error instead of a reset connection.
+
+``AdapterRoots`` confines runtime adapter loads (``POST /v1/adapters``) to directories under the
+roots given with ``--adapter-root``.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from infeng_common.errors import InfengError
+
+from .api_errors import APIError
+
+#: Paths anyone who can reach the server may read (no key): liveness and Prometheus scrapes.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+#: How much of a refused request's body is read and dropped so that the client reads the answer.
+DRAIN_BYTES = 64 * 2 ** 20
+LOOPBACK_NAMES = frozenset({"localhost", "localhost."})
+
+
+def is_loopback_address(host: str) -> bool:
+    """A bind address on loopback only (``127.0.0.1``, ``::1``, ``localhost``)."""
+    host = host.strip("[]")
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_is_loopback(header: str) -> bool:
+    """A ``Host`` header value that names loopback, with or without a port."""
+    header = header.strip().lower()
+    if header.startswith("["):                      # [::1] or [::1]:8000
+        name, _, rest = header[1:].partition("]")
+        if rest and not (rest.startswith(":") and rest[1:].isdigit()):
+            return False
+    else:
+        name, _, port = header.partition(":")
+        if port and not port.isdigit():
+            return False
+    if name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    api_key: str | None = None
+    loopback_only: bool = False                     # check Host (the server is bound to loopback)
+    max_request_bytes: int = 4 * 2 ** 20
+
+
+class AccessGuard:
+    """ASGI middleware applying an ``AccessPolicy`` (see the module docstring)."""
+
+    def __init__(self, app, policy: AccessPolicy):
+        self.app, self.policy = app, policy
+        self._key = policy.api_key.encode() if policy.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = _headers(scope)
+        error = self._check(scope, headers)
+        if error is not None:
+            await _drain(receive, DRAIN_BYTES)
+            return await error.send(send, _auth_challenge(error))
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        cap = self.policy.max_request_bytes
+        too_large = APIError(413, f"the request body is larger than this server's limit of {cap} bytes "
+                                  f"(--max-request-bytes)", param=None, code="request_too_large")
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                await _drain(receive, DRAIN_BYTES)
+                return await APIError(400, "the Content-Length header is not a number").send(send)
+            if int(length) > cap:
+                await _drain(receive, DRAIN_BYTES if int(length) <= DRAIN_BYTES else 0)
+                return await too_large.send(send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return                                 # the client left before sending its body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > cap:
+                await _drain(receive, DRAIN_BYTES - size)
+                return await too_large.send(send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()                     # then disconnects, as the server reports them
+
+        await self.app(scope, replay, send)
+
+    def _check(self, scope, headers: dict[bytes, bytes]) -> APIError | None:
+        if self.policy.loopback_only:
+            host = headers.get(b"host")
+            if host is not None and not host_is_loopback(host.decode("latin-1")):
+                return APIError(421, "this server listens on loopback and only answers requests addressed to "
+                                     "localhost, 127.0.0.1 or [::1] (the Host header names another host)",
+                                code="invalid_host")
+        if self._key is not None and scope["path"] not in OPEN_PATHS:
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+                return APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                                code="invalid_api_key")
+        if scope["method"] in ("POST", "PUT", "PATCH") and not _is_json(headers.get(b"content-type", b"")):
+            return APIError(415, "the request body must be JSON sent with 'Content-Type: application/json'",
+                            code="unsupported_media_type")
+        return None
+
+
+def _headers(scope) -> dict[bytes, bytes]:
+    return {k.lower(): v for k, v in scope["headers"]}
+
+
+def _is_json(content_type: bytes) -> bool:
+    media, *params = content_type.decode("latin-1").split(";")
+    if media.strip().lower() != "application/json":
+        return False
+    for param in params:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            return False
+    return True
+
+
+def _auth_challenge(error: APIError) -> list[tuple[bytes, bytes]]:
+    return [(b"www-authenticate", b"Bearer")] if error.status == 401 else []
+
+
+async def _drain(receive, limit: int) -> None:
+    """Read and drop up to ``limit`` bytes of the request body."""
+    while limit > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        limit -= len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+class AdapterRoots:
+    """The directories runtime adapter loads may read (``--adapter-root``, repeatable). A path is
+    allowed when it resolves (symlinks followed) under a root, and no entry of the adapter
+    directory is a symlink that leaves the roots. A refusal says the same whether or not the path
+    exists, and never names anything outside the roots."""
+
+    def __init__(self, roots: Iterable[str | Path]):
+        self.roots: list[Path] = []
+        for root in roots:
+            resolved = Path(root).expanduser().resolve()
+            if not resolved.is_dir():
+                raise InfengError(f"--adapter-root {root}: not a directory")
+            self.roots.append(resolved)
+
+    def __bool__(self) -> bool:
+        return bool(self.roots)
+
+    def _inside(self, path: Path) -> bool:
+        return any(path == root or path.is_relative_to(root) for root in self.roots)
+
+    def confine(self, given: str) -> Path:
+        """The resolved directory for a client's ``path`` (absolute, or relative to a root);
+        APIError 403 when it is not under a root."""
+        refused = APIError(403, f"the adapter path {given!r} is not under an adapter root of this server "
+                                f"(--adapter-root)", param="path", code="adapter_path_forbidden")
+        if "\0" in given:
+            raise refused
+        path = Path(given).expanduser()
+        candidates = [path] if path.is_absolute() else [root / path for root in self.roots]
+        inside = []
+        for candidate in candidates:
+            try:
+                resolved = candidate.resolve()
+            except (OSError, RuntimeError):            # a symlink loop
+                continue
+            if self._inside(resolved):
+                inside.append(resolved)
+        if not inside:
+            raise refused
+        resolved = next((p for p in inside if p.exists()), inside[0])
+        if resolved.is_dir():
+            try:
+                entries = list(resolved.iterdir())
+            except OSError:
+                entries = []
+            for entry in entries:
+                if entry.is_symlink():
+                    try:
+                        target = entry.resolve()
+                    except (OSError, RuntimeError):
+                        raise refused from None
+                    if not self._inside(target):
+                        raise refused
+        return resolved
+
+    def relative(self, path: Path) -> str:
+        """``path`` as a client may see it: relative to its root."""
+        for root in self.roots:
+            if path == root or path.is_relative_to(root):
+                return os.path.relpath(path, root)
+        return path.name

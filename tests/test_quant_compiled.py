@@ -136,3 +136,24 @@ def test_quantized_base_with_lora_slots(hf_checkpoint, tmp_path) -> None:
     ref = interp.step(*args, adapter_slots=np.full(n, slot, np.int32))
     got = engine.step(*args, adapter_slots=np.full(n, slot, np.int32))
     assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-3
+
+
+@pytest.mark.parametrize("target", ["native", "scalar"])
+def test_scale_and_minimum_int4_matches_interpreter(stories_dir, tmp_path, target: str) -> None:
+    """q4g32m (GGUF's Q4_1 layout: fp16 scale and minimum per group) through the whole pipeline:
+    the policy asks for it, fuse-linears stacks it, the kernels read it; within the int4 tolerance."""
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"preset": "int4", "default": "q4g32m", "fallback": "pad"}))
+    out = tmp_path / f"q4g32m-{target}.infeng"
+    compile_model(stories_dir, out, CompileOptions(target=target, quant="int4", quant_policy=policy))
+    formats = {t["format"] for t in json.loads((out / "manifest.json").read_text())["tensors"]}
+    assert "q4g32m" in formats
+    ids = np.array(Tokenizer(stories_dir, 1, [2]).encode(STORY, add_bos=True), np.int32)
+    n = len(ids)
+    g = import_hf(stories_dir)
+    PassManager([("quantize", ["int4", f"policy={policy}"])]).run(g, {})
+    assert "q4g32m" in {w.attrs.get("format") for w in g.weights.values()}
+    ref = Interpreter(g).step(ids, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
+    got = Engine(out, max_seqs=1).step(ids, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
+    assert np.abs(got - ref).max() / np.abs(ref).max() <= TOLERANCE["int4"]
+    assert (got.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.97

@@ -38,6 +38,8 @@ def test_pack_unpack_round_trip(name: str) -> None:
         assert np.array_equal(back.scales.view(np.uint8), qt.scales.view(np.uint8))
         if fmt.asym:
             assert np.array_equal(back.zeros, qt.zeros)
+        if fmt.mins:
+            assert np.array_equal(back.mins.view(np.uint16), qt.mins.view(np.uint16))
         assert np.array_equal(back.dequantize(), qt.dequantize())
 
 
@@ -50,6 +52,8 @@ def test_dequantize_is_the_documented_formula(name: str) -> None:
     scale = np.repeat(qt.scales.astype(np.float32), G, axis=1)
     if fmt.kind == "fp8":
         expect = e4m3_decode(qt.codes) * scale
+    elif fmt.mins:                          # llama.cpp's Q4_1: (d * q) + m in float32
+        expect = qt.codes.astype(np.float32) * scale + np.repeat(qt.mins.astype(np.float32), G, axis=1)
     else:
         zero = np.repeat(qt.zeros.astype(np.float32), G, axis=1) if fmt.asym else np.float32(fmt.zero)
         expect = (qt.codes.astype(np.float32) - zero) * scale
@@ -57,6 +61,8 @@ def test_dequantize_is_the_documented_formula(name: str) -> None:
     assert out.dtype == np.float32 and out.shape == shape
     assert np.array_equal(out, expect[:, :shape[1]].astype(np.float32))
     assert np.abs(out - _weights(shape, 1)).max() <= np.abs(_weights(shape, 1)).max() * (0.2 if fmt.bits == 4 else 0.07)
+    if fmt.mins:                            # padding columns meet zero activations only
+        return
     # padding columns decode to exactly zero
     full = (qt.codes.astype(np.float32) - (zero if fmt.kind == "int" else 0)) if fmt.kind == "int" else e4m3_decode(qt.codes)
     assert not full[:, shape[1]:].any()
@@ -82,7 +88,8 @@ def _grid(shape, fmt):
     codes = ((n * 7 + k * 3) % (fmt.umax + 1)).astype(np.uint8)
     scales = (np.arange(N * ng).reshape(N, ng) + 1).astype(fmt.scale_dtype)
     zeros = ((np.arange(N * ng).reshape(N, ng) * 5) % 16).astype(np.uint8) if fmt.asym else None
-    return QuantizedTensor(fmt.name, shape, codes, scales, zeros)
+    mins = (-np.arange(N * ng).reshape(N, ng) / 4).astype(np.float16) if fmt.mins else None
+    return QuantizedTensor(fmt.name, shape, codes, scales, zeros, mins)
 
 
 def test_layout_int4_nibbles_rows_interleaved() -> None:
@@ -108,10 +115,12 @@ def test_layout_int4_nibbles_rows_interleaved() -> None:
     assert not second[codes_bytes:codes_bytes + 64].view(np.float16).reshape(2, 16)[:, 4:].any()
 
 
-@pytest.mark.parametrize("name,segments", [("q4g32", [2, 2, 1]), ("q4g32a", [4, 1]), ("q4g64", [2, 1])])
+@pytest.mark.parametrize("name,segments", [("q4g32", [2, 2, 1]), ("q4g32a", [4, 1]), ("q4g64", [2, 1]),
+                                           ("q4g32m", [1, 1, 1, 1, 1])])
 def test_layout_int4_segments(name: str, segments: list[int]) -> None:
-    """int4 blocks are segments of 2 (symmetric) or 4 (asymmetric) groups: their codes, then their
-    scales, then their zero points, each segment 64-byte padded, so a block reads in address order."""
+    """int4 blocks are segments of 2 (symmetric), 4 (asymmetric) or 1 (minimums) groups: their codes,
+    then their scales, then their zero points or minimums, each segment 64-byte padded, so a block
+    reads in address order."""
     fmt = get_format(name)
     K = 160 if fmt.group == 32 else 192                     # 5 groups of 32, or 3 of 64
     qt = _grid((16, K), fmt)
@@ -129,6 +138,8 @@ def test_layout_int4_segments(name: str, segments: list[int]) -> None:
                 assert data[meta + (gi * 16 + r) * 2:][:2].view(np.float16)[0] == qt.scales[r, g + gi]
                 if fmt.asym:
                     assert data[meta + n * 32 + gi * 16 + r] == qt.zeros[r, g + gi]
+                if fmt.mins:
+                    assert data[meta + n * 32 + (gi * 16 + r) * 2:][:2].view(np.float16)[0] == qt.mins[r, g + gi]
         at += fmt.segment_bytes(n)
         assert at % 64 == 0
         g += n

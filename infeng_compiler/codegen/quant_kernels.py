@@ -32,7 +32,7 @@ PREFETCH_BYTES = 0
 #: Software prefetch distance of the int4 decode path (AVX-512), bytes: measured best of 256-2048
 #: on the dev machine (Zen 4), `python bench/kernels.py --wdtypes q4g32 --tokens 1`.
 GEMV_PREFETCH_BYTES = 512
-_INT4 = ("q4g32", "q4g64", "q4g128", "q4g32a", "q4g64a", "q4g128a")
+_INT4 = ("q4g32", "q4g64", "q4g128", "q4g32a", "q4g64a", "q4g128a", "q4g32m", "q4g64m", "q4g128m")
 _INT8 = ("q8r", "q8g32", "q8g64", "q8g128")
 
 
@@ -53,7 +53,8 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
     n_blocks = -(-N // ROWS_PER_BLOCK)
     rb = _item_blocks(n_blocks, rb)
     rb_multi = min(rb_multi, rb)
-    plan = {"kp": kp, "group": fmt.group, "ng": ng, "asym": fmt.asym, "zero": fmt.zero if fmt.kind == "int" else 0,
+    plan = {"kp": kp, "group": fmt.group, "ng": ng, "asym": fmt.asym, "mins": fmt.mins, "zero_bytes": fmt.zero_bytes,
+            "zero": fmt.zero if fmt.kind == "int" else 0,
             "block_bytes": fmt.block_bytes(K), "codes_bytes": codes, "scales_offset": codes,
             "zeros_offset": codes + ROWS_PER_BLOCK * ng * fmt.scale_dtype.itemsize,
             "n_blocks": -(-N // ROWS_PER_BLOCK), "tt": tt, "rb": rb, "rb_multi": rb_multi, "prefetch": PREFETCH_BYTES,

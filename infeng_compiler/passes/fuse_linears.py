@@ -79,7 +79,8 @@ def stack(parts: list[Weight]) -> Weight:
         qts = [p.quantized() for p in parts]
         quant = QuantizedTensor(first.format, (shape[0], qts[0].shape[1]),
                                 np.concatenate([q.codes for q in qts]), np.concatenate([q.scales for q in qts]),
-                                None if qts[0].zeros is None else np.concatenate([q.zeros for q in qts]))
+                                None if qts[0].zeros is None else np.concatenate([q.zeros for q in qts]),
+                                None if qts[0].mins is None else np.concatenate([q.mins for q in qts]))
         return Weight(name, first.type.__class__(first.type.dtype, shape), attrs=attrs, quant=quant)
     # float formats: the parts as stored (their sources may differ: a folded rotation is f32)
     return Weight(name, first.type.__class__(first.format, shape),

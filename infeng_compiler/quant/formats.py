@@ -6,7 +6,9 @@ unsigned codes ``u[N, Kp]`` (``Kp``: ``K`` padded to a whole number of groups), 
 
     W[n, k] = float32((u[n, k] - zero[n, g]) * scale[n, g])        g = k // group
 
-computed in float32 from the scale as stored (fp16 scales widened exactly). ``dequantize``
+computed in float32 from the scale as stored (fp16 scales widened exactly); the ``m`` formats
+(GGUF's Q4_1, imported bit for bit) hold a minimum instead of a zero point:
+``W[n, k] = float32(float32(u[n, k] * scale[n, g]) + min[n, g])``, as llama.cpp dequantizes. ``dequantize``
 computes this; the interpreter uses it, so it predicts what the kernels compute up to the order of
 accumulation. The padding columns ``K..Kp`` hold the zero point (value 0).
 
@@ -18,6 +20,7 @@ Formats (``docs/quantization.md`` has the byte layouts):
 | ``q8g32`` ``q8g64`` ``q8g128`` | int8 | fp16 per group | 128 (symmetric) | 8 + 16/G |
 | ``q4g32`` ``q4g64`` ``q4g128`` | int4 | fp16 per group | 8 (symmetric) | 4 + 16/G |
 | ``q4g32a`` ``q4g64a`` ``q4g128a`` | int4 | fp16 per group | u8 per group | 4 + 24/G |
+| ``q4g32m`` ``q4g64m`` ``q4g128m`` | int4 | fp16 per group | fp16 minimum per group | 4 + 32/G |
 | ``f8e4m3`` | fp8 e4m3 (OCP "fn": no inf, NaN only at S.1111.111) | f32 per row | — | 8 + 32/K |
 
 Every packed layout interleaves ``ROWS_PER_BLOCK`` = 16 output rows, so that one load holds the
@@ -66,6 +69,7 @@ class QuantFormat:
     bits: int                # 8 or 4
     group: int               # elements per scale along K; 0: the whole row
     asym: bool = False       # per-group zero point (else the fixed zero 2^(bits-1))
+    mins: bool = False       # per-group fp16 minimum instead of a zero point (w = u * scale + min)
 
     # -- geometry ---------------------------------------------------------------------------
     @property
@@ -101,10 +105,11 @@ class QuantFormat:
 
     @property
     def segment_groups(self) -> int:
-        """Groups per segment of a block (int4: 2 symmetric, 4 asymmetric); 0: not segmented."""
+        """Groups per segment of a block (int4: 2 symmetric, 4 asymmetric, 1 with minimums: the
+        fewest whose scales and zero points or minimums fill whole cache lines); 0: not segmented."""
         if self.kind != "int" or self.bits != 4:
             return 0
-        return 4 if self.asym else 2
+        return 1 if self.mins else 4 if self.asym else 2
 
     @property
     def group_code_bytes(self) -> int:
@@ -113,8 +118,13 @@ class QuantFormat:
 
     @property
     def group_meta_bytes(self) -> int:
-        """Bytes of scales and zero points of one group of 16 rows."""
-        return ROWS_PER_BLOCK * (self.scale_dtype.itemsize + (1 if self.asym else 0))
+        """Bytes of scales and zero points (or minimums) of one group of 16 rows."""
+        return ROWS_PER_BLOCK * (self.scale_dtype.itemsize + self.zero_bytes)
+
+    @property
+    def zero_bytes(self) -> int:
+        """Bytes of one row's zero point (u8) or minimum (fp16) per group; 0 when symmetric."""
+        return 2 if self.mins else 1 if self.asym else 0
 
     def segments(self, K: int) -> list[tuple[int, int]]:
         """(first group, groups) of each segment of a block (one segment when not segmented)."""
@@ -132,7 +142,7 @@ class QuantFormat:
         kp, ng = self.padded_k(K), self.groups(K)
         codes = ROWS_PER_BLOCK * kp * self.bits // 8
         scales = ROWS_PER_BLOCK * ng * self.scale_dtype.itemsize
-        zeros = ROWS_PER_BLOCK * ng if self.asym else 0
+        zeros = ROWS_PER_BLOCK * ng * self.zero_bytes
         return _round_up(codes + scales + zeros, BLOCK_ALIGN)
 
     def nbytes(self, shape: tuple[int, int]) -> int:
@@ -155,6 +165,9 @@ class QuantFormat:
         scale = _expand(qt.scales.astype(np.float32), self, qt.codes.shape[1])
         if self.kind == "fp8":
             return np.ascontiguousarray((e4m3_decode(qt.codes) * scale)[:, :K], dtype=np.float32)
+        if self.mins:
+            low = _expand(qt.mins.astype(np.float32), self, qt.codes.shape[1])
+            return np.ascontiguousarray((qt.codes.astype(np.float32) * scale + low)[:, :K], dtype=np.float32)
         zero = np.float32(self.zero) if not self.asym else _expand(qt.zeros.astype(np.float32), self, qt.codes.shape[1])
         centred = qt.codes.astype(np.float32) - zero                  # exact small integers
         return np.ascontiguousarray((centred * scale)[:, :K], dtype=np.float32)
@@ -179,13 +192,14 @@ def _expand(per_group: np.ndarray, fmt: QuantFormat, kp: int) -> np.ndarray:
 class QuantizedTensor:
     """Codes and scales of one matrix. ``codes`` uint8 [N, Kp]: unsigned integer codes (q + zero)
     or e4m3 bytes; ``scales`` [N, groups] in the format's scale dtype; ``zeros`` uint8
-    [N, groups] for the asymmetric formats, else None."""
+    [N, groups] for the asymmetric formats, ``mins`` fp16 [N, groups] for the ``m`` formats."""
 
     format: str
     shape: tuple[int, int]
     codes: np.ndarray
     scales: np.ndarray
     zeros: np.ndarray | None = None
+    mins: np.ndarray | None = None
 
     @property
     def fmt(self) -> QuantFormat:
@@ -200,7 +214,7 @@ class QuantizedTensor:
 
 # ---------------------------------------------------------------------------------------------
 # the catalogue
-_NAME = re.compile(r"^q(8|4)(?:r|g(32|64|128))(a?)$")
+_NAME = re.compile(r"^q(8|4)(?:r|g(32|64|128))([am]?)$")
 
 
 @lru_cache(maxsize=None)
@@ -210,12 +224,12 @@ def get_format(name: str) -> QuantFormat:
         return QuantFormat("f8e4m3", "fp8", 8, 0)
     m = _NAME.match(name)
     if m and not (m.group(3) and (m.group(1) == "8" or m.group(2) is None)):
-        return QuantFormat(name, "int", int(m.group(1)), int(m.group(2) or 0), bool(m.group(3)))
+        return QuantFormat(name, "int", int(m.group(1)), int(m.group(2) or 0), m.group(3) == "a", m.group(3) == "m")
     raise InfengError(f"unknown quantized format {name!r}; known: {', '.join(QUANT_FORMATS)}")
 
 
 QUANT_FORMATS = ("q8r", "q8g32", "q8g64", "q8g128", "q4g32", "q4g64", "q4g128", "q4g32a", "q4g64a", "q4g128a",
-                 "f8e4m3")
+                 "q4g32m", "q4g64m", "q4g128m", "f8e4m3")
 #: Formats that are not quantized: the plain float storage of ``cast-weights``.
 FLOAT_FORMATS = ("f32", "f16", "bf16")
 
@@ -294,12 +308,18 @@ def _pack(fmt: QuantFormat, qt: QuantizedTensor) -> np.ndarray:
     if fmt.asym:
         zeros = _pad_rows(qt.zeros.astype(np.uint8), n_blocks * R)
         zero_bytes = zeros.reshape(n_blocks, R, ng).transpose(0, 2, 1).reshape(n_blocks, -1)
+    elif fmt.mins:
+        if qt.mins is None or qt.mins.shape != (N, ng):
+            raise InfengError(f"{fmt.name}: minimums {None if qt.mins is None else qt.mins.shape} do not fit "
+                              f"shape {qt.shape}")
+        mins = _pad_rows(np.ascontiguousarray(qt.mins, dtype=np.float16), n_blocks * R)
+        zero_bytes = mins.reshape(n_blocks, R, ng).transpose(0, 2, 1).copy().view(np.uint8).reshape(n_blocks, -1)
     out = np.zeros((n_blocks, fmt.block_bytes(K)), dtype=np.uint8)
     for at, (g0, g1) in _segment_spans(fmt, K):
         pieces = [code_bytes[:, g0 * fmt.group_code_bytes:g1 * fmt.group_code_bytes] if fmt.segment_groups else code_bytes,
                   scale_bytes[:, g0 * R * fmt.scale_dtype.itemsize:g1 * R * fmt.scale_dtype.itemsize]]
         if zero_bytes is not None:
-            pieces.append(zero_bytes[:, g0 * R:g1 * R])
+            pieces.append(zero_bytes[:, g0 * R * fmt.zero_bytes:g1 * R * fmt.zero_bytes])
         body = np.concatenate(pieces, axis=1)
         out[:, at:at + body.shape[1]] = body
     return out.reshape(-1)
@@ -343,8 +363,11 @@ def _unpack(fmt: QuantFormat, data: np.ndarray, shape: tuple[int, int]) -> Quant
     n_scale = R * ng * fmt.scale_dtype.itemsize
     scales = blocks[:, n_code:n_code + n_scale].copy().view(fmt.scale_dtype)
     scales = np.ascontiguousarray(scales.reshape(n_blocks, ng, R).transpose(0, 2, 1).reshape(-1, ng)[:N])
-    zeros = None
+    zeros = mins = None
     if fmt.asym:
         z = blocks[:, n_code + n_scale:n_code + n_scale + R * ng]
         zeros = np.ascontiguousarray(z.reshape(n_blocks, ng, R).transpose(0, 2, 1).reshape(-1, ng)[:N])
-    return QuantizedTensor(fmt.name, shape, codes, scales, zeros)
+    elif fmt.mins:
+        z = blocks[:, n_code + n_scale:n_code + n_scale + R * ng * 2].copy().view(np.float16)
+        mins = np.ascontiguousarray(z.reshape(n_blocks, ng, R).transpose(0, 2, 1).reshape(-1, ng)[:N])
+    return QuantizedTensor(fmt.name, shape, codes, scales, zeros, mins)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from infeng_common.errors import UnsupportedError
+
 from .formats import QuantFormat, QuantizedTensor, e4m3_decode, e4m3_encode
 from .search import quantize
 
@@ -20,6 +22,8 @@ DAMP = 0.01          # fraction of the mean diagonal added to H
 
 def gptq_quantize(w: np.ndarray, fmt: QuantFormat, hessian: np.ndarray) -> QuantizedTensor:
     """Quantize ``w`` [N, K] to ``fmt`` minimising ``tr(D H Dᵀ)`` greedily, ``H`` [K, K]."""
+    if fmt.mins:
+        raise UnsupportedError(f"GPTQ does not produce {fmt.name} (a GGUF Q4_1 import format); use q4g{fmt.group}a")
     N, K = w.shape
     kp = fmt.padded_k(K)
     W = np.zeros((N, kp), np.float64)

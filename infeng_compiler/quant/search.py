@@ -62,14 +62,15 @@ def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
     pick = lambda values: np.take_along_axis(np.stack(values), best[None], axis=0)[0]  # noqa: E731
     best_scales = pick([c[0] for c in choices]).astype(fmt.scale_dtype)
     best_zeros = pick([c[1] for c in choices]).astype(np.uint8) if fmt.asym else None
-    best_codes = _round(wg, fmt, best_scales, best_zeros)
+    best_mins = pick([c[1] for c in choices]).astype(np.float16) if fmt.mins else None
+    best_codes = _round(wg, fmt, best_scales, best_zeros if fmt.asym else best_mins)
     codes = best_codes.reshape(N, kp)
-    if fmt.kind == "int":                                       # padding columns hold the zero point
+    if fmt.kind == "int" and not fmt.mins:                      # padding columns hold the zero point
         pad_zero = fmt.zero if not fmt.asym else np.repeat(best_zeros, G, axis=1)[:, K:]
         codes[:, K:] = pad_zero
-    else:
+    else:                                                       # (activations are zero there)
         codes[:, K:] = 0
-    return QuantizedTensor(fmt.name, (N, K), codes, best_scales, best_zeros)
+    return QuantizedTensor(fmt.name, (N, K), codes, best_scales, best_zeros, best_mins)
 
 
 def _error_weights(gram: np.ndarray | None, K: int, kp: int, G: int, ng: int, fmt: QuantFormat):
@@ -94,11 +95,14 @@ def _to_scale(s: np.ndarray, fmt: QuantFormat) -> np.ndarray:
 
 
 def _round(wg: np.ndarray, fmt: QuantFormat, scales: np.ndarray, zeros: np.ndarray | None) -> np.ndarray:
-    """Codes (uint8 [N, ng, G]) of ``wg`` on the given per-group scales (and zero points)."""
+    """Codes (uint8 [N, ng, G]) of ``wg`` on the given per-group scales (and zero points, or
+    minimums for the ``m`` formats)."""
     sf = scales.astype(np.float32)
     safe = np.where(sf == 0, np.float32(1), sf)[..., None]
     if fmt.kind == "fp8":
         return np.where(sf[..., None] == 0, np.uint8(0), e4m3_encode(wg / safe))
+    if fmt.mins:
+        return np.clip(np.rint((wg - zeros[..., None].astype(np.float32)) / safe), 0, fmt.umax).astype(np.uint8)
     if fmt.asym:
         return np.clip(np.rint(wg / safe) + zeros[..., None].astype(np.float32), 0, fmt.umax).astype(np.uint8)
     q = np.where(sf[..., None] == 0, 0, np.clip(np.rint(wg / safe), fmt.qmin, fmt.qmax))
@@ -115,6 +119,13 @@ def _candidates(wg: np.ndarray, fmt: QuantFormat, ratios: tuple[float, ...]):
             sf = s.astype(np.float32)
             codes = _round(wg, fmt, s, None)
             yield s, None, e4m3_decode(codes) * sf[..., None]
+        return
+    if fmt.mins:                                             # [min, max] shrunk towards zero by r
+        wmin, wmax = wg.min(axis=2), wg.max(axis=2)
+        for r in ratios:
+            lo = (wmin * np.float32(r)).astype(np.float16)
+            s = _to_scale((wmax * np.float32(r) - lo.astype(np.float32)) / np.float32(fmt.umax), fmt)
+            yield s, lo, _round(wg, fmt, s, lo) * s.astype(np.float32)[..., None] + lo.astype(np.float32)[..., None]
         return
     if fmt.asym:
         wmin, wmax = wg.min(axis=2), wg.max(axis=2)

@@ -26,8 +26,18 @@ class TensorEntry:
     offset: int             # absolute byte offset in ``file``
 
 
+#: Bytes per element of every dtype the format defines (infeng reads the SAFETENSORS_DTYPES ones).
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
+#: The largest header the safetensors library accepts.
+MAX_HEADER_BYTES = 100_000_000
+
+
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
-    """The tensor table of one safetensors file, checked against the file's size."""
+    """The tensor table of one safetensors file, checked as strictly as the ``safetensors`` library
+    checks it: a JSON object header; per tensor a known dtype, a shape of non-negative integers and
+    ``data_offsets`` of non-negative integers whose span is the shape's bytes; the spans sorted,
+    contiguous, non-overlapping and covering exactly the data after the header."""
     path = Path(path)
     if not path.is_file():
         raise ModelFormatError(f"{path}: file not found")
@@ -40,36 +50,69 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
         if header_len > size - 8:
             raise ModelFormatError(f"{path}: truncated safetensors file (header says {header_len} bytes, "
                                    f"file has {size - 8} after the length)")
+        if header_len > MAX_HEADER_BYTES:
+            raise ModelFormatError(f"{path}: safetensors header of {header_len} bytes (at most {MAX_HEADER_BYTES})")
         raw = f.read(header_len)
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelFormatError(f"{path}: bad safetensors header JSON: {e}") from None
-    data_start = 8 + header_len
-    table = {}
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ModelFormatError(f"{path}: bad safetensors header JSON: {str(e)[:200]}") from None
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ModelFormatError(f"{path}: __metadata__ must be an object of strings")
+    data_start, data_bytes = 8 + header_len, size - 8 - header_len
+    table, spans = {}, []
     for name, spec in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (begin, end) = spec["dtype"], tuple(spec["shape"]), spec["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ModelFormatError(f"{path}: tensor {name}: malformed header entry {spec!r}") from None
+        name_shown = name if name.isprintable() and len(name) <= 200 else repr(name[:200])
+        dtype, shape, begin, end = _entry(path, name_shown, spec)
         if dtype not in SAFETENSORS_DTYPES:
-            raise ModelFormatError(f"{path}: tensor {name}: dtype {dtype} is not supported "
+            raise ModelFormatError(f"{path}: tensor {name_shown}: dtype {dtype} is not supported "
                                    f"(supported: {', '.join(SAFETENSORS_DTYPES)})")
         numel = 1
         for d in shape:
             numel *= d
-        itemsize = 4 if dtype == "F32" else 2
-        if end - begin != numel * itemsize:
-            raise ModelFormatError(f"{path}: tensor {name}: {end - begin} bytes for shape {list(shape)} {dtype}")
+        if end - begin != numel * _ITEMSIZE[dtype]:
+            raise ModelFormatError(f"{path}: tensor {name_shown}: {end - begin} bytes for shape {list(shape)} {dtype}")
         if data_start + end > size:
-            raise ModelFormatError(f"{path}: truncated safetensors file: tensor {name} ends at byte "
+            raise ModelFormatError(f"{path}: truncated safetensors file: tensor {name_shown} ends at byte "
                                    f"{data_start + end}, file has {size}")
+        spans.append((begin, end, name_shown))
         table[name] = TensorEntry(name, str(path.resolve()), SAFETENSORS_DTYPES[dtype], shape, data_start + begin)
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise ModelFormatError(f"{path}: tensor {name}: data_offsets start at {begin}, expected {at} "
+                                   f"({'overlaps the previous tensor' if begin < at else 'a gap before it'})")
+        at = end
+    if at != data_bytes:
+        raise ModelFormatError(f"{path}: the tensors cover {at} bytes of the {data_bytes}-byte data section "
+                               f"(the header length or the offsets are wrong)")
     return table
+
+
+def _entry(path: Path, name: str, spec: object) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, each of the type the format defines."""
+    def bad(what: str) -> ModelFormatError:
+        return ModelFormatError(f"{path}: tensor {name}: {what}")
+
+    def index(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise bad("a header entry needs exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+        raise bad(f"unknown dtype {str(dtype)[:40]!r}")
+    if not isinstance(shape, list) or not all(index(d) for d in shape):
+        raise bad("shape must be a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(index(o) for o in offsets) \
+            or offsets[0] > offsets[1]:
+        raise bad("data_offsets must be [begin, end], non-negative integers with begin <= end")
+    return dtype, tuple(shape), offsets[0], offsets[1]
 
 
 def bf16_to_f32(raw: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@ it names live. The compiler writes artifacts (``infeng_compiler/artifact.py``); 
 the compiler read them through this module."""
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -46,12 +47,51 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     for key, kind in _REQUIRED.items():
         if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
             raise ArtifactError(f"{mpath}: {key!r} is missing or not a {kind.__name__}; recompile the model")
-    weights = root / WEIGHTS
-    if not weights.is_file():
-        raise ArtifactError(f"{weights}: file not found")
-    if weights.stat().st_size != manifest["weights_bytes"]:
-        raise ArtifactError(f"{weights}: {weights.stat().st_size} bytes, the manifest says {manifest['weights_bytes']}")
-    for name in (LIBRARY, ABI_HEADER):
+    for name in (WEIGHTS, LIBRARY, ABI_HEADER):
         if not (root / name).is_file():
             raise ArtifactError(f"{root / name}: file not found")
+    weights = root / WEIGHTS
+    if weights.stat().st_size != manifest["weights_bytes"]:
+        raise ArtifactError(f"{weights}: {weights.stat().st_size} bytes, the manifest says {manifest['weights_bytes']}")
+    for name, recorded in _recorded_files(mpath, manifest).items():     # before anything maps them
+        size = (root / name).stat().st_size
+        if size != recorded["bytes"]:
+            raise ArtifactError(f"{root / name}: {size} bytes, the manifest says {recorded['bytes']} "
+                                f"(truncated or replaced); recompile the model")
     return manifest
+
+
+def verify_artifact(path: str | Path) -> dict[str, str]:
+    """Check the sha256 of every file the manifest records; returns name -> sha256."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    files = _recorded_files(root / MANIFEST, manifest)
+    if not files:
+        raise ArtifactError(f"{root / MANIFEST}: records no file hashes (built by an older infeng); recompile")
+    digests = {}
+    for name, recorded in files.items():
+        digest = file_sha256(root / name)
+        if digest != recorded["sha256"]:
+            raise ArtifactError(f"{root / name}: sha256 {digest[:16]}..., the manifest says "
+                                f"{recorded['sha256'][:16]}...: the file was modified; recompile the model")
+        digests[name] = digest
+    return digests
+
+
+def _recorded_files(mpath: Path, manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The manifest's ``files`` table (name -> bytes, sha256), checked for shape."""
+    files = manifest.get("files", {})
+    ok = isinstance(files, dict) and all(
+        name in (LIBRARY, WEIGHTS) and isinstance(v, dict) and isinstance(v.get("bytes"), int)
+        and isinstance(v.get("sha256"), str) for name, v in files.items())
+    if not ok:
+        raise ArtifactError(f"{mpath}: 'files' must map {LIBRARY}/{WEIGHTS} to their bytes and sha256")
+    return files
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

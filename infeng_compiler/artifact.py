@@ -2,21 +2,12 @@
 tokenizer files. This module writes it; ``infeng_common.manifest`` reads it (the runtime does too)."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from infeng_common.errors import InfengError
 from infeng_common.manifest import MANIFEST, MANIFEST_VERSION
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_weights(path: Path, graph, slots, total_bytes: int, progress=None) -> None:

@@ -51,7 +51,7 @@ class IRFormat(str, Enum):
 
 @app.command("ir")
 @fails_cleanly
-def ir_command(model: Path = typer.Argument(..., help="model directory, model.safetensors or model.onnx"),
+def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, .onnx or Hub id org/name[@rev]"),
                format: IRFormat = typer.Option(IRFormat.text, "--format", help="text, json, dot or onnx (needs -o)"),
                output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
                tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer/config dir (ONNX)"),
@@ -148,7 +148,7 @@ class QuantPreset(str, Enum):
 
 @app.command("eval")
 @fails_cleanly
-def eval_command(model: Path = typer.Argument(..., help="model directory"),
+def eval_command(model: Path = typer.Argument(..., help="artifact, model directory or Hub id org/name[@rev]"),
                  ppl: Path = typer.Option(..., "--ppl", help="text file to measure perplexity on"),
                  ctx: int = typer.Option(512, "--ctx", help="tokens per chunk"),
                  max_bytes: Optional[int] = typer.Option(None, "--max-bytes", help="use only the first N bytes"),
@@ -213,7 +213,7 @@ def _kv_bytes_per_token(runner) -> float:
 
 @app.command("generate")
 @fails_cleanly
-def generate_command(model: Path = typer.Argument(..., help="model directory"),
+def generate_command(model: Path = typer.Argument(..., help="model directory or Hub id org/name[@rev]"),
                      prompt: str = typer.Argument(...),
                      max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
                      temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
@@ -291,7 +291,7 @@ class KVScheme(str, Enum):
 
 @app.command("compile")
 @fails_cleanly
-def compile_command(model: Path = typer.Argument(..., help="model directory, model.safetensors or model.onnx"),
+def compile_command(model: Path = typer.Argument(..., help="model dir, .safetensors, .onnx or Hub id org/name[@rev]"),
                     output: Path = typer.Option(..., "-o", "--output", help="artifact directory to write"),
                     target: str = typer.Option("native", "--target",
                                                help="scalar, avx2, avx512, avx512-vnni, avx512-bf16, amx, native"),
@@ -476,6 +476,16 @@ def serve_command(artifact: Path = typer.Argument(..., help="compiled artifact d
                            shutdown_timeout=shutdown_timeout)
     options.check()
     serve(artifact, options)
+
+
+@app.command("verify")
+@fails_cleanly
+def verify_command(artifact: Path = typer.Argument(..., help="compiled artifact directory")):
+    """Check an artifact's library and weights against the sizes and sha256 its manifest records."""
+    from infeng_common.manifest import verify_artifact
+
+    for name, digest in verify_artifact(artifact).items():
+        print(f"{name}  sha256 {digest}  ok")
 
 
 @app.command("bench")

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Callable
 
 from infeng_common.errors import InfengError
-from infeng_common.manifest import LIBRARY, WEIGHTS
+from infeng_common.manifest import LIBRARY, WEIGHTS, file_sha256
 
 from . import __version__
-from .artifact import file_sha256, write_manifest, write_weights
+from .artifact import write_manifest, write_weights
 from .codegen.build import build_library
 from .codegen.lower import lower
 from .codegen.render import render_sources
@@ -27,7 +27,8 @@ from .passes.quantize import QuantReport, quant_layout, quantize_entry
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_BLOCK_SIZE = 16
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
 
 
 @dataclass
@@ -160,6 +161,8 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
             "profile": [vars(e) for e in lowered.profile] if options.profile else [],
             "adapters": {"merged": list(options.merge), "bundled": bundled},
             "build": {"key": build.path.parent.name, "cache_hit": build.cache_hit},
+            "files": {name: {"bytes": (staging / name).stat().st_size, "sha256": file_sha256(staging / name)}
+                      for name in (LIBRARY, WEIGHTS)},
         }
         write_manifest(staging, manifest)
         if out_dir.exists():

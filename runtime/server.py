@@ -654,11 +654,14 @@ class Server:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
 
             async def sse():
+                errors_sent: set[str] = set()
                 async for batch in self._events(pending, texts, None, record):
                     for c, delta in batch:
                         event = self._error_event(delta, record)
                         if event is not None:
-                            yield event
+                            if event not in errors_sent:             # once, not once per choice
+                                errors_sent.add(event)
+                                yield event
                             continue
                         choice = {"index": c, "text": delta.text,
                                   "logprobs": self._completion_logprobs(delta.logprobs, body.logprobs)
@@ -756,6 +759,7 @@ class Server:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
 
             async def sse():
+                errors_sent: set[str] = set()
                 for c in range(body.n):
                     yield _sse({**base, "choices": [{"index": c, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}]})
@@ -763,7 +767,9 @@ class Server:
                     for c, delta in batch:
                         event = self._error_event(delta, record)
                         if event is not None:
-                            yield event
+                            if event not in errors_sent:             # once, not once per choice
+                                errors_sent.add(event)
+                                yield event
                             continue
                         lp = {"content": self._chat_logprobs(delta.logprobs)} if body.logprobs else None
                         if delta.text or delta.logprobs:

@@ -88,12 +88,14 @@ def infeng_command() -> list[str]:
 
 
 @contextmanager
-def running_server(artifact: Path, *args: str, log: Path, startup_s: float = 90.0) -> Iterator[str]:
-    """``infeng serve ARTIFACT --port <free> ARGS``; yields the base URL once /health answers."""
+def server_process(artifact: Path, *args: str, log: Path, startup_s: float = 90.0,
+                   command: list[str] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``infeng serve ARTIFACT --port <free> ARGS`` (or ``COMMAND serve ...``); yields the process
+    and the base URL once /health answers, and terminates the process (if still running) after."""
     port = free_port()
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*infeng_command(), "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port),
-                                 "--threads", "1", "--log-level", "warning", *args],
+        proc = subprocess.Popen([*(command or infeng_command()), "serve", str(artifact), "--host", "127.0.0.1",
+                                 "--port", str(port), "--threads", "1", "--log-level", "warning", *args],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -108,15 +110,49 @@ def running_server(artifact: Path, *args: str, log: Path, startup_s: float = 90.
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"infeng serve did not come up in {startup_s} s:\n{log.read_text()}")
-            time.sleep(0.2)
-        yield url
+            time.sleep(0.05)
+        yield proc, url
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         try:
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+@contextmanager
+def running_server(artifact: Path, *args: str, log: Path, startup_s: float = 90.0) -> Iterator[str]:
+    """``infeng serve ARTIFACT --port <free> ARGS``; yields the base URL once /health answers."""
+    with server_process(artifact, *args, log=log, startup_s=startup_s) as (_, url):
+        yield url
+
+
+def nonfinite_artifact(root: Path) -> Path:
+    """stories260K with its final norm weight set to NaN, compiled like ``served_artifact`` (without
+    LoRA slots): every logit it computes is NaN. Built once per process."""
+    if "nonfinite" not in _built:
+        from safetensors.numpy import load_file, save_file
+
+        from infeng_compiler.compile import CompileOptions, compile_model
+
+        model = root / "stories-nan"
+        shutil.copytree(STORIES, model)
+        weights = load_file(str(model / "model.safetensors"))
+        weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], np.nan)
+        save_file(weights, str(model / "model.safetensors"))
+        out = root / "stories-nan.infeng"
+        compile_model(model, out, CompileOptions(target="scalar"))
+        cfg_path = out / "tokenizer_config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "chat_template": CHAT_TEMPLATE}, indent=2))
+        _built["nonfinite"] = out
+    return _built["nonfinite"]
+
+
+def sse_lines(response: httpx.Response) -> list[str]:
+    """The non-empty lines of a server-sent event stream, as they arrive."""
+    return [line for line in response.iter_lines() if line]
 
 
 class AloneReference:

@@ -480,14 +480,6 @@ class Server:
             raise APIError(400, f"preparing the prompt (chat template, tokenizer) took longer than "
                                 f"{TEXT_WORK_SECONDS:g} s; the request was dropped", code="prompt_too_expensive") from None
 
-    def _encode(self, texts: list[str], add_bos: bool | None) -> list[list[int]]:
-        """``Tokenizer.encode`` of each text, through ``encode_batch``: unlike ``encode`` it releases
-        the GIL, so the event loop thread keeps writing streams meanwhile."""
-        tok = self.tokenizer
-        bos = [tok.bos_token_id] if (tok.add_bos if add_bos is None else add_bos) and \
-            tok.bos_token_id is not None else []
-        return [bos + e.ids for e in tok.hf.encode_batch(texts, add_special_tokens=False)]
-
     def _submit(self, prompts: list[list[int]], params: list[SamplingParams], n: int, adapter: str | None,
                 priority: int, logprobs: int | None, prefix: str) -> _Pending:
         self._admitting()
@@ -702,7 +694,7 @@ class Server:
         if texts:
             for text in texts:
                 self._check_chars(len(text), "prompt")
-            return await self._text_work(self._encode, texts, None)
+            return await self._text_work(self.tokenizer.encode_batch, texts, None)   # releases the GIL
         vocab, context = self.engine.vocab_size, self.loop.scheduler.max_context
         for ids in prompts:
             if len(ids) > context:
@@ -815,7 +807,7 @@ class Server:
             raise
         except Exception as e:                      # a template that trips over these messages' values
             raise ChatTemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
-        return self._encode([text], False)[0]
+        return self.tokenizer.encode_batch([text], False)[0]
 
     def _chat_logprobs(self, entries) -> list[dict[str, Any]]:
         tt = self.token_texts

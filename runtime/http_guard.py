@@ -31,6 +31,7 @@ from pathlib import Path
 from infeng_common.errors import InfengError
 
 from .api_errors import APIError
+from .request_log import record_of
 
 #: Paths anyone who can reach the server may read (no key): liveness and Prometheus scrapes.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -107,8 +108,11 @@ class AccessGuard:
         chunks, size = [], 0
         while True:
             message = await receive()
-            if message["type"] == "http.disconnect":
-                return                                 # the client left before sending its body
+            if message["type"] == "http.disconnect":   # the client left before sending its body
+                record = record_of(scope)
+                if record is not None:
+                    record.disconnected = True
+                return
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > cap:

@@ -666,13 +666,27 @@ def test_unexpected_exception_is_a_json_500(in_process, monkeypatch, caplog):
     assert http.post("/v1/completions", json=completion()).status_code == 200
 
 
+def test_text_work_past_its_budget_is_dropped(in_process, monkeypatch):
+    import infeng_runtime.server as server_module
+
+    server, http = in_process
+    encode = server.tokenizer.encode_batch
+    monkeypatch.setattr(server_module, "TEXT_WORK_SECONDS", 0.2)
+    monkeypatch.setattr(server.tokenizer, "encode_batch", lambda *a: time.sleep(1.0) or encode(*a))
+    t0 = time.monotonic()
+    error = error_of(http.post("/v1/completions", json=completion()), 400)
+    assert error["code"] == "prompt_too_expensive" and time.monotonic() - t0 < 0.9
+    monkeypatch.undo()
+    assert http.post("/v1/completions", json=completion()).status_code == 200
+
+
 # -- the command line ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value, flag", [
     ("port", 0, "--port"), ("port", 65536, "--port"), ("max_waiting", 0, "--max-queue"), ("threads", -1, "--threads"),
     ("max_seqs", 0, "--max-seqs"), ("max_context", 0, "--max-context"), ("max_request_bytes", 1023,
                                                                            "--max-request-bytes"),
     ("shutdown_timeout", -1.0, "--shutdown-timeout"), ("shutdown_timeout", float("nan"), "--shutdown-timeout"),
-    ("log_format", "xml", "--log-format"), ("api_key", " ", "--api-key")])
+    ("log_format", "xml", "--log-format"), ("log_level", "loud", "--log-level"), ("api_key", " ", "--api-key")])
 def test_serve_option_ranges(field, value, flag):
     from infeng_common.errors import InfengError
     from infeng_runtime.server import ServeOptions

@@ -1,8 +1,9 @@
-"""Chat templates: ``tokenizer_config.json``'s Jinja ``chat_template`` rendered the way transformers'
-``apply_chat_template`` renders it (sandboxed environment with ``trim_blocks``/``lstrip_blocks``,
-the ``loopcontrols`` extension, its ``tojson`` filter, ``raise_exception``, ``strftime_now``,
-``namespace``; the special tokens as variables), so a prompt is byte-for-byte what the model was
-fine-tuned on. The rendered text is tokenized without adding BOS: the template writes it.
+"""Chat templates: the model's Jinja template (``chat_template.jinja``, else ``tokenizer_config.json``'s
+``chat_template``: ``Tokenizer.chat_template``) rendered the way transformers' ``apply_chat_template``
+renders it (sandboxed environment with ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols``
+extension, its ``tojson`` filter, ``raise_exception``, ``strftime_now``, ``namespace``; the special
+tokens as variables), so a prompt is byte-for-byte what the model was fine-tuned on. The rendered
+text is tokenized without adding BOS: the template writes it.
 """
 from __future__ import annotations
 
@@ -114,8 +115,8 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_genera
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
     if not source:
-        raise ChatTemplateError("this model has no chat template (tokenizer_config.json has no chat_template); "
-                                "use /v1/completions")
+        raise ChatTemplateError("this model has no chat template (no chat_template.jinja, and tokenizer_config.json "
+                                "has no chat_template); use /v1/completions")
     messages = [{**m, "content": message_text(m.get("content"))} for m in messages]
     context = {**special_tokens(tokenizer), **kwargs}
     try:

@@ -5,6 +5,8 @@
   shape arithmetic and raises the primitive ops to transformer ops. An ONNX file carries no
   tokenizer: ``tokenizer_dir`` (a Hugging Face model or tokenizer directory) supplies it, and its
   ``config.json`` (when present) the BOS/EOS ids and the context length.
+- a Hugging Face Hub id (``org/name[@revision]``, not an existing path): ``hub.resolve_model_path``
+  gives its snapshot in the local Hub cache (downloaded when missing), then as above.
 """
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ def is_onnx(path: str | Path) -> bool:
 
 def model_source(path: str | Path, tokenizer_dir: str | Path | None = None) -> ModelSource:
     from .hf import load_config, resolve_model_dir
+    from .hub import resolve_model_path
 
-    p = Path(path)
+    p = resolve_model_path(path)
     if is_onnx(p):
         if not p.is_file():
             raise ModelFormatError(f"{p}: file not found")
@@ -60,11 +63,16 @@ def import_model(path: str | Path, tokenizer_dir: str | Path | None = None, *, s
     ``strict``: fail when primitive ops are left after raising (what compiling needs); ``after`` is
     called with each ONNX pass's name and the graph (``infeng ir --after``), first with "import".
     """
+    from .hub import hub_model_name, resolve_model_path
+
+    hub_name, path = hub_model_name(path), resolve_model_path(path)
     source = model_source(path, tokenizer_dir)
     if source.kind == "hf":
         from .hf import import_hf
 
         graph = import_hf(path)
+        if hub_name:              # not the snapshot directory's name (a commit hash)
+            graph.name = hub_name
         if after:
             after("import", graph)
         return graph

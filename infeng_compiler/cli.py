@@ -49,38 +49,127 @@ class IRFormat(str, Enum):
     onnx = "onnx"
 
 
+class DType(str, Enum):
+    f32 = "f32"
+    f16 = "f16"
+    bf16 = "bf16"
+
+
+class KVScheme(str, Enum):
+    f32 = "f32"
+    f16 = "f16"
+    int8 = "int8"
+    int4 = "int4"
+    fht_int8 = "fht-int8"
+    fht_int4 = "fht-int4"
+
+
+class QuantPreset(str, Enum):
+    int8 = "int8"
+    int4 = "int4"
+    fp8 = "fp8"
+
+
+# The compile options, shared by ``compile`` and ``ir`` (which runs the same pipeline).
+TARGET = typer.Option("native", "--target", help="scalar, avx2, avx512, avx512-vnni, avx512-bf16, amx, native")
+DTYPE = typer.Option(DType.f32, "--dtype", help="weight storage for matrices")
+PASSES = typer.Option(None, "--passes", help="explicit pass pipeline")
+MAX_TOKENS = typer.Option(256, "--max-tokens", min=1, help="most token rows per forward call")
+LORA = typer.Option([], "--lora", help="NAME=DIR: a PEFT LoRA adapter (repeatable)")
+MERGE = typer.Option([], "--merge", help="fold adapter NAME into the weights")
+MAX_ADAPTERS = typer.Option(0, "--max-adapters", min=0, help="LoRA slots for adapters loaded at run time")
+MAX_RANK = typer.Option(0, "--max-rank", min=0, help="max LoRA rank per slot (default 16)")
+LORA_TARGETS = typer.Option("", "--lora-targets", help="modules with slots, e.g. q_proj+v_proj (default all)")
+TOKENIZER = typer.Option(None, "--tokenizer", help="tokenizer/config dir (an ONNX model has none)")
+QUANT = typer.Option(None, "--quant", help="quantize the weights: int8, int4 or fp8")
+QUANT_POLICY = typer.Option(None, "--quant-policy", help="per-tensor formats (JSON, see docs/quantization.md)")
+CALIB = typer.Option(None, "--calib", help="calibration text (--quant: AWQ + clipping; int8/int4 --kv: K centring)")
+CALIB_MAX_BYTES = typer.Option(None, "--calib-max-bytes", help="use only the first N bytes of --calib")
+KV = typer.Option(KVScheme.f32, "--kv", help="KV cache format (fht-: Hadamard-rotated; docs/kv-cache.md)")
+KV_WINDOW = typer.Option(0, "--kv-window", min=0, help="keep each sequence's last N tokens in f16 (int8/int4 --kv)")
+
+
+def compile_options(target: str, dtype: DType, passes: str | None, max_tokens: int, lora: list[str],
+                    merge: list[str], max_adapters: int, max_rank: int, lora_targets: str, tokenizer: Path | None,
+                    quant: QuantPreset | None, quant_policy: Path | None, calib: Path | None,
+                    calib_max_bytes: int | None, kv: KVScheme, kv_window: int, **rest):
+    """``CompileOptions`` from the shared options (``rest``: dump_ir, profile)."""
+    from .compile import CompileOptions
+
+    adapters = parse_named_paths(lora, "--lora")
+    unknown = [m for m in merge if m not in adapters]
+    if unknown:
+        raise InfengError(f"--merge {unknown[0]}: no adapter of that name; give it with --lora {unknown[0]}=DIR")
+    return CompileOptions(target=target, dtype=dtype.value, passes=passes, max_tokens=max_tokens, lora=adapters,
+                          merge=list(merge), max_adapters=max_adapters, max_rank=max_rank, lora_targets=lora_targets,
+                          tokenizer=tokenizer, quant=quant.value if quant else None, quant_policy=quant_policy,
+                          calib=calib, calib_max_bytes=calib_max_bytes, kv=kv.value, kv_window=kv_window, **rest)
+
+
 @app.command("ir")
 @fails_cleanly
-def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, .onnx or Hub id org/name[@rev]"),
+def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, .onnx, .gguf, Hub id org/name[@rev] "
+                                                       "or an artifact"),
                format: IRFormat = typer.Option(IRFormat.text, "--format", help="text, json, dot or onnx (needs -o)"),
                output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
-               tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer/config dir (ONNX)"),
                after: Optional[str] = typer.Option(None, "--after",
-                                                   help="print the graph after this import pass (import, "
-                                                        "fold-shapes, raise) or after each (all)")):
-    """Import MODEL and print its IR graph."""
-    from .frontends import import_model
+                                                   help="print the graph after this pass (import, an ONNX raising "
+                                                        "pass, a compile pass), after lowering (lower), or after "
+                                                        "each (all)"),
+               target: str = TARGET, dtype: DType = DTYPE, passes: Optional[str] = PASSES, max_tokens: int = MAX_TOKENS,
+               lora: list[str] = LORA, merge: list[str] = MERGE, max_adapters: int = MAX_ADAPTERS,
+               max_rank: int = MAX_RANK, lora_targets: str = LORA_TARGETS, tokenizer: Optional[Path] = TOKENIZER,
+               quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
+               calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
+               kv: KVScheme = KV, kv_window: int = KV_WINDOW):
+    """Print MODEL's IR: as imported, or after any pass of its compile pipeline (the compile options
+    choose the pipeline, as with infeng compile; no C is built), or lowered to kernel calls."""
+    from infeng_common.manifest import is_artifact
+
+    from .compile import run_pipeline
     from .ir import print_graph
     from .ir.serialize import to_dot, to_json
 
+    render = {"text": print_graph, "json": to_json, "dot": to_dot}.get(format.value)
     if format == IRFormat.onnx:
-        if output is None or (after or "") == "all":
+        if output is None or after in ("all", "lower"):
             raise InfengError("--format onnx writes a file: give -o g.onnx (and at most one --after pass)")
         from .ir.onnx_export import save_onnx
+    if is_artifact(model):                      # the final IR the artifact was built from
+        if after or format != IRFormat.text:
+            raise InfengError(f"{model}: is a compiled artifact; it keeps its final IR only (ir.txt, text)")
+        _write_text((model / "ir.txt").read_text(), output)
+        return
+    options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank, lora_targets,
+                              tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window)
     snapshots: list[tuple[str, str]] = []
 
     def keep(name: str, g) -> None:
-        if after in ("all", name):
-            if format == IRFormat.onnx:
-                save_onnx(g, output)
-                snapshots.append((name, ""))
-            else:
-                snapshots.append((name, {"text": print_graph, "json": to_json, "dot": to_dot}[format.value](g)))
+        if after not in ("all", name):
+            return
+        if format == IRFormat.onnx:
+            save_onnx(g, output)
+        snapshots.append((name, "" if format == IRFormat.onnx else render(g)))
 
-    graph = import_model(model, tokenizer, after=keep if after else None)
+    compile_stages = after is not None and after != "import"
+    if compile_stages:
+        graph = run_pipeline(model, options, after=keep).graph
+    else:
+        from .frontends import import_model
+
+        graph = import_model(model, options.tokenizer, after=keep if after else None)
+    if after in ("all", "lower"):
+        from .codegen.lower import describe, lower
+        from .codegen.target import get_target
+
+        lowered = lower(graph, get_target(target), max_tokens=max_tokens, block_size=options.block_size)
+        snapshots.append(("lower", describe(lowered)))
     if after and not snapshots:
-        raise InfengError(f"--after {after}: no such pass ran for {model} (import passes: import"
-                          + (", fold-shapes, raise" if model.suffix == ".onnx" else "") + "; or all)")
+        from .frontends import ONNX_PIPELINE, is_onnx
+
+        ran = ["import", *(ONNX_PIPELINE.split(",") if is_onnx(model) else []),
+               *(name for name, _ in options.pipeline()), "lower"]
+        raise InfengError(f"--after {after}: no such pass ran for {model} (passes: {', '.join(ran)}; or all)")
     if format == IRFormat.onnx:
         if not after:
             save_onnx(graph, output)
@@ -90,10 +179,14 @@ def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, 
     if after:
         text = "".join(f"# after {name}\n{t}" if after == "all" else t for name, t in snapshots)
     else:
-        text = {"text": print_graph, "json": to_json, "dot": to_dot}[format.value](graph)
+        text = render(graph)
+    _write_text(text, output, f" ({len(graph.nodes)} nodes, {len(graph.weights)} weights)")
+
+
+def _write_text(text: str, output: Path | None, what: str = "") -> None:
     if output:
         output.write_text(text)
-        err.print(f"wrote {output} ({len(graph.nodes)} nodes, {len(graph.weights)} weights)")
+        err.print(f"wrote {output}{what}")
     else:
         sys.stdout.write(text)
 
@@ -138,12 +231,6 @@ def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0,
 
         PassManager([quantize]).run(graph, {"tokenizer": tokenizer, "model_dir": source.tokenizer_dir})
     return Interpreter(graph), tokenizer
-
-
-class QuantPreset(str, Enum):
-    int8 = "int8"
-    int4 = "int4"
-    fp8 = "fp8"
 
 
 @app.command("eval")
@@ -274,69 +361,29 @@ def parse_named_paths(items: list[str], option: str) -> dict[str, Path]:
     return named
 
 
-class DType(str, Enum):
-    f32 = "f32"
-    f16 = "f16"
-    bf16 = "bf16"
-
-
-class KVScheme(str, Enum):
-    f32 = "f32"
-    f16 = "f16"
-    int8 = "int8"
-    int4 = "int4"
-    fht_int8 = "fht-int8"
-    fht_int4 = "fht-int4"
-
-
 @app.command("compile")
 @fails_cleanly
-def compile_command(model: Path = typer.Argument(..., help="model dir, .safetensors, .onnx or Hub id org/name[@rev]"),
+def compile_command(model: Path = typer.Argument(..., help="model dir, .safetensors, .onnx, .gguf or Hub id "
+                                                            "org/name[@rev]"),
                     output: Path = typer.Option(..., "-o", "--output", help="artifact directory to write"),
-                    target: str = typer.Option("native", "--target",
-                                               help="scalar, avx2, avx512, avx512-vnni, avx512-bf16, amx, native"),
-                    dtype: DType = typer.Option(DType.f32, "--dtype", help="weight storage for matrices"),
-                    passes: Optional[str] = typer.Option(None, "--passes", help="explicit pass pipeline"),
+                    target: str = TARGET, dtype: DType = DTYPE, passes: Optional[str] = PASSES,
                     dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="write NN-<pass>.ir here"),
-                    max_tokens: int = typer.Option(256, "--max-tokens", help="most token rows per forward call"),
+                    max_tokens: int = MAX_TOKENS,
                     profile: bool = typer.Option(False, "--profile", help="time every IR node (see infeng bench --profile)"),
                     timings: bool = typer.Option(False, "--timings", help="also show time per pass"),
-                    lora: list[str] = typer.Option([], "--lora", help="NAME=DIR: a PEFT LoRA adapter (repeatable)"),
-                    merge: list[str] = typer.Option([], "--merge", help="fold adapter NAME into the weights"),
-                    max_adapters: int = typer.Option(0, "--max-adapters",
-                                                     help="LoRA slots for adapters loaded at run time"),
-                    max_rank: int = typer.Option(0, "--max-rank", help="max LoRA rank per slot (default 16)"),
-                    lora_targets: str = typer.Option("", "--lora-targets",
-                                                     help="modules with slots, e.g. q_proj+v_proj (default all)"),
-                    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer",
-                                                             help="tokenizer/config dir (an ONNX model has none)"),
-                    quant: Optional[QuantPreset] = typer.Option(None, "--quant",
-                                                                help="quantize the weights: int8, int4 or fp8"),
-                    quant_policy: Optional[Path] = typer.Option(None, "--quant-policy",
-                                                                help="per-tensor formats (JSON, see docs/quantization.md)"),
-                    calib: Optional[Path] = typer.Option(None, "--calib",
-                                                         help="calibration text (--quant: AWQ + clipping; int8/int4 "
-                                                              "--kv: K centring)"),
-                    calib_max_bytes: Optional[int] = typer.Option(None, "--calib-max-bytes",
-                                                                  help="use only the first N bytes of --calib"),
-                    kv: KVScheme = typer.Option(KVScheme.f32, "--kv",
-                                                help="KV cache format (fht-: Hadamard-rotated; docs/kv-cache.md)"),
-                    kv_window: int = typer.Option(0, "--kv-window",
-                                                  help="keep each sequence's last N tokens in f16 (int8/int4 --kv)")):
+                    lora: list[str] = LORA, merge: list[str] = MERGE, max_adapters: int = MAX_ADAPTERS,
+                    max_rank: int = MAX_RANK, lora_targets: str = LORA_TARGETS, tokenizer: Optional[Path] = TOKENIZER,
+                    quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
+                    calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
+                    kv: KVScheme = KV, kv_window: int = KV_WINDOW):
     """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
     from rich.table import Table
 
-    from .compile import CompileOptions, compile_model
+    from .compile import compile_model
 
-    adapters = parse_named_paths(lora, "--lora")
-    unknown = [m for m in merge if m not in adapters]
-    if unknown:
-        raise InfengError(f"--merge {unknown[0]}: no adapter of that name; give it with --lora {unknown[0]}=DIR")
-    options = CompileOptions(target=target, dtype=dtype.value, passes=passes, dump_ir=dump_ir,
-                             max_tokens=max_tokens, profile=profile, lora=adapters, merge=list(merge),
-                             max_adapters=max_adapters, max_rank=max_rank, lora_targets=lora_targets,
-                             tokenizer=tokenizer, quant=quant.value if quant else None, quant_policy=quant_policy,
-                             calib=calib, calib_max_bytes=calib_max_bytes, kv=kv.value, kv_window=kv_window)
+    options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank, lora_targets,
+                              tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window, dump_ir=dump_ir,
+                              profile=profile)
     with progress_bar() as bar:
         task = bar.add_task("compile", total=None)
         summary = compile_model(model, output, options,

@@ -7,7 +7,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from infeng_common.errors import InfengError
 from infeng_common.manifest import LIBRARY, WEIGHTS, file_sha256
@@ -18,9 +18,9 @@ from .codegen.build import build_library
 from .codegen.lower import lower
 from .codegen.render import render_sources
 from .codegen.target import get_target
-from .frontends import ONNX_PIPELINE, import_model, model_source
-from .frontends.peft import load_adapter
-from .ir import print_graph
+from .frontends import ONNX_PIPELINE, ModelSource, import_model, model_source
+from .frontends.peft import LoraAdapter, load_adapter
+from .ir import Graph, print_graph
 from .passes.kv_cache import kv_entry, kv_summary
 from .passes.manager import PassManager, PassRecord, format_pipeline, parse_pipeline
 from .passes.quantize import QuantReport, quant_layout, quantize_entry
@@ -91,6 +91,32 @@ class CompileSummary:
         return sum(self.stages.values())
 
 
+@dataclass
+class PassedGraph:
+    """A model imported and run through its compile pipeline (everything before lowering)."""
+
+    graph: Graph
+    source: ModelSource
+    adapters: dict[str, LoraAdapter]
+    pipeline: list[tuple[str, list[str]]]
+    manager: PassManager
+    context: dict[str, Any]                 # the passes' context (e.g. "quant_report")
+
+
+def run_pipeline(model: str | Path, options: CompileOptions, after: Callable[[str, Graph], None] | None = None,
+                 timed: Callable[[str, Callable], Any] = lambda name, fn: fn()) -> PassedGraph:
+    """Import ``model`` and run the compile pipeline ``options`` describe; ``after(name, graph)`` sees
+    the graph after the import (and each ONNX raising pass) and after every compile pass."""
+    source = model_source(model, options.tokenizer)
+    graph = timed("import", lambda: import_model(model, options.tokenizer, strict=True, after=after))
+    adapters = timed("adapters", lambda: {name: load_adapter(path, graph, name) for name, path in options.lora.items()})
+    pipeline = options.pipeline(adapters)
+    manager = PassManager(pipeline, dump_dir=options.dump_ir)
+    context = {"adapters": adapters, "model_dir": source.tokenizer_dir}
+    timed("passes", lambda: manager.run(graph, context, after=after))
+    return PassedGraph(graph, source, adapters, pipeline, manager, context)
+
+
 def compile_model(model: str | Path, out_dir: str | Path, options: CompileOptions,
                   stage: Callable[[str], None] = lambda name: None,
                   progress: Callable[[int, int], None] | None = None) -> CompileSummary:
@@ -106,15 +132,11 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
         stages[name] = time.perf_counter() - t0
         return result
 
-    source = model_source(model, options.tokenizer)
+    passed = run_pipeline(model, options, timed=timed)
+    graph, source, adapters, pipeline, manager = (passed.graph, passed.source, passed.adapters, passed.pipeline,
+                                                  passed.manager)
     model_dir = source.tokenizer_dir
-    graph = timed("import", lambda: import_model(model, options.tokenizer, strict=True))
-    adapters = timed("adapters", lambda: {name: load_adapter(path, graph, name) for name, path in options.lora.items()})
-    pipeline = options.pipeline(adapters)
-    manager = PassManager(pipeline, dump_dir=options.dump_ir)
-    pass_ctx = {"adapters": adapters, "model_dir": model_dir}
-    timed("passes", lambda: manager.run(graph, pass_ctx))
-    quant = pass_ctx.get("quant_report")
+    quant = passed.context.get("quant_report")
     lowered = timed("lower", lambda: lower(graph, target, max_tokens=options.max_tokens,
                                            block_size=options.block_size))
     sources, baseline = timed("render", lambda: render_sources(lowered, graph.name, options.profile))

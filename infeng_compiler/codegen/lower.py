@@ -99,6 +99,23 @@ class _Arena:
         self.free.setdefault(align(width, 16), []).append(offset)
 
 
+def describe(lowered: LoweredModel) -> str:
+    """The lowered model as text (``infeng ir --after lower``): one line per kernel call of the
+    forward step with its symbol, static parameters and arguments (weights at their byte offsets in
+    weights.bin, activations at their arena slices: floats per token row), then the IR line."""
+    lines = [f"# lowered for {lowered.target.name}: {len(lowered.calls)} calls of {len(lowered.specs)} kernels, "
+             f"weights {lowered.weights_bytes:,} bytes, arena {lowered.arena_floats_per_row:,} floats per token row"]
+    for call in lowered.calls:
+        guard = f"if ({call.guard}) " if call.guard else ""
+        if call.spec is None:
+            lines.append(f"{guard}{call.code}  // {call.comment}")
+            continue
+        params = ", ".join(f"{k}={v}" for k, v in call.spec.params)
+        lines.append(f"{guard}{call.spec.symbol}({', '.join(call.args)})  // [{call.spec.isa}: {params}] "
+                     f"{call.comment}")
+    return "\n".join(lines) + "\n"
+
+
 def lower(graph: Graph, target: Target, *, max_tokens: int, block_size: int) -> LoweredModel:
     return _Lowering(graph, target, max_tokens, block_size).run()
 

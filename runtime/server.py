@@ -53,7 +53,8 @@ from .http_guard import AccessGuard, AccessPolicy, AdapterRoots, is_loopback_add
 from .json_body import parse_json
 from .loop import EngineLoop, EngineStopped
 from .metrics import ServerMetrics
-from .request_log import LOG_FORMATS, LOG_LEVELS, LOGGER, InFlight, RequestLog, RequestRecord, configure_logging, record_of
+from .request_log import (LOG_FORMATS, LOG_LEVELS, LOGGER, InFlight, RequestLog, RequestRecord, configure_logging,
+                          record_of)
 from .sampling import SEED_BOUND, SamplingParams
 from .scheduler import QueueFull, Request, RequestError, SeqOutput
 
@@ -478,7 +479,8 @@ class Server:
         except asyncio.TimeoutError:
             future.cancel()
             raise APIError(400, f"preparing the prompt (chat template, tokenizer) took longer than "
-                                f"{TEXT_WORK_SECONDS:g} s; the request was dropped", code="prompt_too_expensive") from None
+                                f"{TEXT_WORK_SECONDS:g} s; the request was dropped",
+                           code="prompt_too_expensive") from None
 
     def _submit(self, prompts: list[list[int]], params: list[SamplingParams], n: int, adapter: str | None,
                 priority: int, logprobs: int | None, prefix: str) -> _Pending:
@@ -793,7 +795,8 @@ class Server:
         if isinstance(message.content, list):
             for part in message.content:
                 if part.get("type", "text") == "text" and not isinstance(part.get("text", ""), str):
-                    raise APIError(400, "a text content part's text must be a string", param=f"messages.{index}.content")
+                    raise APIError(400, "a text content part's text must be a string",
+                                   param=f"messages.{index}.content")
         out = message.model_dump(exclude_none=True)
         out["content"] = message_text(message.content) if message.content is not None else ""
         return out
@@ -913,7 +916,8 @@ class ServeOptions:
         """Raise InfengError (one line, naming the flag) for a value out of range."""
         ranges = [("--port", self.port, 1, 65535), ("--threads", self.threads, 0, None),
                   ("--max-seqs", self.max_seqs, 1, None), ("--max-context", self.max_context, 1, None),
-                  ("--max-queue", self.max_waiting, 1, None), ("--max-batched-tokens", self.max_batched_tokens, 1, None),
+                  ("--max-queue", self.max_waiting, 1, None),
+                  ("--max-batched-tokens", self.max_batched_tokens, 1, None),
                   ("--max-request-bytes", self.max_request_bytes, 1024, None),
                   ("--shutdown-timeout", self.shutdown_timeout, 0, None)]
         for flag, value, low, high in ranges:

@@ -333,7 +333,8 @@ def test_assistant_turn_with_null_content(client):
              {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     a = client.chat.completions.create(model=MODEL, messages=with_null, max_tokens=4, temperature=0)
     b = client.chat.completions.create(model=MODEL, messages=empty, max_tokens=4, temperature=0)
-    assert a.usage.prompt_tokens == b.usage.prompt_tokens and a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+    assert a.choices[0].message.content == b.choices[0].message.content
     bare = client.chat.completions.create(model=MODEL, messages=[user, {"role": "assistant", "content": None},
                                                                  {"role": "user", "content": "And?"}], max_tokens=2)
     assert bare.choices[0].finish_reason == "length"
@@ -360,7 +361,8 @@ def test_prompt_beyond_any_context_refused_before_tokenizing(server):
     r = post(server, "/v1/completions", completion(prompt="word " * 400_000))      # 2 MB, under the cap
     error = error_of(r, 400)
     assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
-    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w " * 10 ** 6}]})
+    huge = [{"role": "user", "content": "w " * 10 ** 6}]
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": huge})
     assert error_of(r, 400)["code"] == "context_length_exceeded"
 
 
@@ -478,9 +480,11 @@ def test_ten_megabyte_prompt_refused_quickly_while_a_stream_flows(open_server):
     enough.set()
     reader.join(60)
     assert error_of(r, 400)["code"] == "context_length_exceeded"
-    assert t1 - t0 < 3.0, "refused by its length, without tokenizing 10 MB"
+    # tokenizing 10 MB on the event loop took 16 s with every stream stalled; the bounds leave room
+    # for a busy 2-core machine
+    assert t1 - t0 < 5.0, f"refused after {t1 - t0:.2f} s: it should be by its length, without tokenizing"
     gaps = np.diff([t0, *(t for t in arrivals if t0 <= t <= t1), t1])
-    assert gaps.max() < 1.0, f"the stream stalled for {gaps.max():.2f} s"
+    assert gaps.max() < 1.5, f"the stream stalled for {gaps.max():.2f} s"
     assert arrivals[-1] > t1, "the stream went on after the refusal"
     assert httpx.get(f"{open_server}/health", timeout=10).status_code == 200
 
@@ -552,7 +556,8 @@ def test_sigterm_lets_running_requests_finish(artifact, tmp_path):
 
 def test_sigterm_past_the_shutdown_timeout_ends_requests(artifact, tmp_path):
     long = completion(max_tokens=490, n=64, ignore_eos=True)         # 64 x 490 steps one after another: ~8 s
-    with server_process(artifact, "--max-seqs", "1", "--shutdown-timeout", "1", log=tmp_path / "serve.log") as (proc, url):
+    with server_process(artifact, "--max-seqs", "1", "--shutdown-timeout", "1",
+                        log=tmp_path / "serve.log") as (proc, url):
         out, *threads = _start_requests(url, {**long, "stream": True}, long)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -631,7 +636,8 @@ def test_on_fatal_in_process(in_process, monkeypatch):
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(server.engine, "forward", dying_forward)
-    with http.stream("POST", "/v1/completions", json=completion(max_tokens=490, n=4, ignore_eos=True, stream=True)) as r:
+    long = completion(max_tokens=490, n=4, ignore_eos=True, stream=True)
+    with http.stream("POST", "/v1/completions", json=long) as r:
         lines = r.iter_lines()
         first = next(lines)
         dead.set()

@@ -18,6 +18,7 @@ between steps, because they write into the library's slots.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -30,6 +31,8 @@ from infeng_common.errors import InfengError
 from .scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput
 
 __all__ = ["EngineLoop", "EngineStopped", "LoopStats", "QueueFull", "RequestError"]
+
+_log = logging.getLogger("infeng.engine")
 
 
 class EngineStopped(InfengError):
@@ -219,9 +222,9 @@ class EngineLoop:
             for o in outs:
                 o.error = f"engine loop failed: {e}"
             self._deliver(outs)
+            _log.error("the engine loop failed; every request in flight was ended with an error", exc_info=e)
             if self.on_fatal is not None:
                 self.on_fatal(e)
-            raise
 
     @staticmethod
     def _deliver(outs: list[SeqOutput]) -> None:

@@ -157,3 +157,86 @@ def test_preemption_under_tiny_kv_pool(artifact, reference, tmp_path):
     assert metric(text, "infeng_preemptions_total") >= 1
     for prompt, got in zip(jobs, outputs):
         assert got == reference(prompt, max_tokens)
+
+
+def poison_requests(count: int) -> list[tuple[str, dict, bytes | None, dict[str, str]]]:
+    """``count`` requests no server may serve, mixed: (expected class of status, JSON body or None,
+    raw body, extra headers). Each must get a 4xx with an OpenAI error body."""
+    nested = b'{"model": "stories260K", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    kinds = [
+        ({"prompt": "Once", "seed": -1}, None, {}),
+        ({"prompt": "Once", "stop": [f"s{i}" for i in range(4000)]}, None, {}),
+        (None, b'{"model": "stories260K", "prompt": "Once"}', {"content-type": "text/plain"}),
+        (None, nested, {"content-type": "application/json"}),
+        ({"prompt": "Once", "model": "no-such-model"}, None, {}),
+        (None, b'{"model": "stories260K", "prompt": "Once", "temperature": NaN}', {"content-type": "application/json"}),
+        ({"prompt": "Once", "logit_bias": {"5": 10}}, None, {}),
+        ({"prompt": [10 ** 9]}, None, {}),
+        ({"prompt": "Once", "priority": 10 ** 12}, None, {}),
+        ({"prompt": ["Once"] * 400, "n": 2}, None, {}),
+    ]
+    out = []
+    for i in range(count):
+        body, raw, headers = kinds[i % len(kinds)]
+        if body is not None:
+            body = {"model": "stories260K", "max_tokens": 8, "stream": True, **body}
+        out.append(("4xx", body, raw, headers))
+    return out
+
+
+def test_200_streams_with_poison_mixed_in(artifact, adapter_dirs, reference, tmp_path):
+    """200 concurrent streaming requests, 10% of them poison: every valid one gets the greedy text
+    it gets alone (one asks for temperature 1e-320: greedy), every poison one a 4xx, the KV pool
+    returns to where it was, and the log holds no traceback."""
+    models = ["stories260K", *ADAPTER_NAMES]
+    valid = [(models[i % 4], p, 1e-320 if i % 30 == 7 else 0) for i, p in enumerate(prompts(180, seed=3))]
+    poison = poison_requests(20)
+    order = list(range(200))
+    __import__("random").Random(4).shuffle(order)                 # poison spread through the valid ones
+    max_tokens = 12
+    args = [a for name, path in adapter_dirs.items() for a in ("--adapter", f"{name}={path}")]
+    log = tmp_path / "serve.log"
+    with running_server(artifact, *args, "--max-seqs", "32", "--max-queue", "256", log=log) as url:
+        before = metric(httpx.get(f"{url}/metrics", timeout=10).text, "infeng_kv_blocks_used")
+
+        async def valid_one(client, model, prompt, temperature):
+            text = []
+            async with client.stream("POST", "/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+                    "stream": True}) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        return "".join(text)
+                    if line.startswith("data: "):
+                        payload = json.loads(line[6:])
+                        assert "error" not in payload, payload
+                        text.append(payload["choices"][0]["text"])
+            raise AssertionError("the stream ended without data: [DONE]")
+
+        async def poison_one(client, body, raw, headers):
+            if body is not None:
+                r = await client.post("/v1/completions", json=body, headers=headers)
+            else:
+                r = await client.post("/v1/completions", content=raw, headers=headers)
+            return r.status_code, r.json()
+
+        async def main():
+            limits = httpx.Limits(max_connections=220)
+            async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+                jobs = [valid_one(client, *valid[i]) if i < 180 else poison_one(client, *poison[i - 180][1:])
+                        for i in order]
+                return await asyncio.wait_for(asyncio.gather(*jobs), timeout=300)
+
+        results = dict(zip(order, asyncio.run(main())))
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    for i, (model, prompt, _) in enumerate(valid):
+        assert results[i] == reference(prompt, max_tokens, None if model == "stories260K" else model), (model, prompt)
+    for i in range(180, 200):
+        status, body = results[i]
+        assert 400 <= status < 500, (poison[i - 180], status, body)
+        assert set(body["error"]) >= {"message", "type", "param", "code"}, body
+    assert metric(text, "infeng_kv_blocks_used") == before == 0
+    assert metric(text, "infeng_queue_depth") == 0
+    assert "Traceback" not in log.read_text()

@@ -471,7 +471,8 @@ def parse_size(text: str, option: str) -> int:
 
 @app.command("serve")
 @fails_cleanly
-def serve_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
+def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
+                                                           "compiled into the artifact cache first"),
                   adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: serve a LoRA adapter as model "
                                                                        "NAME (repeatable)"),
                   host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
@@ -505,13 +506,36 @@ def serve_command(artifact: Path = typer.Argument(..., help="compiled artifact d
                                                          help="seconds running requests get to finish on "
                                                               "SIGTERM/SIGINT"),
                   log_format: str = typer.Option("text", "--log-format", help="text (key=value) or json"),
-                  log_level: str = typer.Option("info", "--log-level")):
-    """Serve ARTIFACT over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics)."""
+                  log_level: str = typer.Option("info", "--log-level"),
+                  target: str = TARGET, dtype: DType = DTYPE, max_tokens: int = MAX_TOKENS,
+                  max_adapters: int = typer.Option(0, "--max-adapters", min=0,
+                                                   help="LoRA slots when compiling MODEL (default: 4 with --adapter "
+                                                        "or --adapter-root)"),
+                  max_rank: int = MAX_RANK, tokenizer: Optional[Path] = TOKENIZER,
+                  quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
+                  calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
+                  kv: KVScheme = KV, kv_window: int = KV_WINDOW):
+    """Serve MODEL over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics).
+    A model that is not an artifact is compiled first with the compile options, into a
+    content-addressed cache: the next start with the same model and options reuses it."""
     from infeng_common.manifest import is_artifact
     from infeng_runtime.server import ServeOptions, serve
 
-    if not is_artifact(artifact):
-        raise InfengError(f"{artifact}: not a compiled artifact; run infeng compile first")
+    if is_artifact(model):
+        artifact = model
+    else:
+        from .compile import cached_artifact
+
+        if not max_adapters and (adapter or adapter_root):
+            max_adapters = max(4, len(adapter))
+        compile_opts = compile_options(target, dtype, None, max_tokens, [], [], max_adapters, max_rank, "",
+                                       tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window)
+        with progress_bar() as bar:
+            task = bar.add_task("compile", total=None)
+            artifact, hit = cached_artifact(
+                model, compile_opts, stage=lambda name: bar.update(task, description=name, completed=0, total=None),
+                progress=lambda done, total: bar.update(task, completed=done, total=total))
+        err.print(f"{'reusing' if hit else 'compiled'} {artifact}")
     options = ServeOptions(host=host, port=port, threads=threads, max_seqs=max_seqs, max_context=max_context,
                            kv_memory=parse_size(kv_memory, "--kv-memory") if kv_memory else None,
                            max_waiting=max_queue, max_batched_tokens=max_batched_tokens,

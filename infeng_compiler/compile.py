@@ -1,6 +1,8 @@
 """``infeng compile``: import -> passes -> lower -> render -> build -> write the artifact."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -10,11 +12,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from infeng_common.errors import InfengError
-from infeng_common.manifest import LIBRARY, WEIGHTS, file_sha256
+from infeng_common.manifest import LIBRARY, WEIGHTS, file_sha256, is_artifact, read_manifest
 
 from . import __version__
 from .artifact import write_manifest, write_weights
-from .codegen.build import build_library
+from .codegen.build import build_library, cache_root
 from .codegen.lower import lower
 from .codegen.render import render_sources
 from .codegen.target import get_target
@@ -196,3 +198,35 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
     return CompileSummary(out_dir, target.name, format_pipeline(pipeline), lowered.weights_bytes,
                           len(lowered.specs), build.cache_hit, stages, manager.records, quant,
                           manifest["kv"]["bytes_per_token"], bool(manifest["kv"].get("k_centred")))
+
+
+def artifact_cache_root() -> Path:
+    """Where ``cached_artifact`` keeps compiled models: beside the build cache."""
+    return cache_root().parent / "artifacts"
+
+
+def cached_artifact(model: str | Path, options: CompileOptions, stage: Callable[[str], None] = lambda name: None,
+                    progress: Callable[[int, int], None] | None = None) -> tuple[Path, bool]:
+    """``model`` compiled with ``options``, from the content-addressed artifact cache (compiled into
+    it on a miss): (artifact directory, cache hit). The key names every input: the model's files,
+    adapters, calibration text and policy (path, size, modification time), the options, the target
+    and this infeng's version; a hit is an artifact whose files still have the sizes it recorded."""
+    source = model_source(model, options.tokenizer)
+    inputs = list(source.files) + [p for d in options.lora.values() for p in sorted(Path(d).glob("adapter_*"))]
+    inputs += [p for p in (options.calib, options.quant_policy) if p is not None]
+    stats = []
+    for path in inputs:
+        info = Path(path).stat()
+        stats.append([str(Path(path).resolve()), info.st_size, info.st_mtime_ns])
+    described = {"infeng": __version__, "target": get_target(options.target).name, "files": stats,
+                 "options": {k: str(v) for k, v in sorted(vars(options).items()) if k not in ("dump_ir", "target")}}
+    key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
+    out = artifact_cache_root() / f"{Path(source.path).stem or 'model'}-{key}.infeng"
+    if is_artifact(out):
+        try:
+            read_manifest(out)
+            return out, True
+        except InfengError:                    # damaged: compile it again
+            pass
+    compile_model(model, out, options, stage, progress)
+    return out, False

@@ -104,7 +104,7 @@ def _check_config(cfg_path: Path, config: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or (positive and value <= 0):
             raise ModelFormatError(f"{cfg_path}: {key} must be a {'positive ' if positive else ''}finite number, "
-                                   f"got {value!r}")
+                                   f"got {value if isinstance(value, (int, float)) else 'a ' + type(value).__name__}")
 
     for key, positive in (("r", True), ("lora_alpha", False)):
         if key in config:
@@ -114,7 +114,7 @@ def _check_config(cfg_path: Path, config: Any) -> None:
         if not isinstance(patterns, dict):
             raise ModelFormatError(f"{cfg_path}: {key} must be an object of pattern -> number")
         for pattern, value in patterns.items():
-            number(f"{key}[{pattern!r}]", value, positive)
+            number(f"a {key} entry", value, positive)
             _check_regex(cfg_path, key, pattern)
     targets = config.get("target_modules")
     if isinstance(targets, str) and targets != "all-linear":
@@ -127,7 +127,7 @@ def _check_regex(cfg_path: Path, key: str, pattern: str) -> None:
     try:
         re.compile(pattern)
     except re.error as e:
-        raise ModelFormatError(f"{cfg_path}: {key}: {pattern!r} is not a valid regular expression ({e})") from None
+        raise ModelFormatError(f"{cfg_path}: {key} is not a valid regular expression") from None
 
 
 def read_adapter(path: str | Path, linears: dict[str, tuple[int, int]], name: str | None = None,
@@ -154,7 +154,7 @@ def read_adapter(path: str | Path, linears: dict[str, tuple[int, int]], name: st
                                    "code); re-save it with save_pretrained(safe_serialization=True)")
         raise ModelFormatError(f"{weights_path}: file not found")
     if config.get("peft_type", "LORA") != "LORA":
-        raise UnsupportedError(f"{cfg_path}: peft_type {config.get('peft_type')!r} is not supported (LORA only)")
+        raise UnsupportedError(f"{cfg_path}: peft_type is not LORA (only LoRA adapters are supported)")
     trained_on = str(config.get("base_model_name_or_path") or "").split("/")[-1]
     if trained_on and trained_on not in base_name and base_name not in trained_on:
         warnings.warn(f"{cfg_path}: adapter was trained on {config['base_model_name_or_path']}, "

@@ -6,8 +6,8 @@ in one of the library's slots, which running sequences use which slot, and how m
 requests still need each adapter. Everything else asks it through ``AdapterPool`` (the
 scheduler) or its public methods (the engine loop, the server, ``Engine.step`` callers):
 
-- ``load`` serves an adapter and puts it in a slot (the least recently used idle one when all are
-  taken); ``unload`` stops serving it, and requests already accepted for it finish with it
+- ``load`` (``read``, which needs no lock, then ``install``) serves an adapter and puts it in a slot
+  (the least recently used idle one when all are taken); ``unload`` stops serving it, and requests already accepted for it finish with it
   (*draining*) before its slot is cleared;
 - ``hold``/``drop`` count accepted requests per adapter; ``acquire``/``release`` give a running
   sequence its slot (loading an evicted adapter back from memory) and take it back;
@@ -41,6 +41,8 @@ class AdapterError(InfengError):
 class AdapterPool(Protocol):
     """What the scheduler asks of the adapter manager."""
 
+    served: dict[str, object]                         # the names requests may ask for
+
     def namespace(self, name: str) -> str: ...
 
     def hold(self, name: str, n: int) -> None: ...
@@ -57,8 +59,6 @@ class ServedAdapter:
     """An adapter requests may name: its deltas per slot site, read and checked once."""
 
     name: str
-    path: Path
-    scale: float
     namespace: str                                    # prefix-cache namespace of this load
     sites: list[tuple[int, int, float, np.ndarray, np.ndarray]]   # (site, rank, scale, A, B)
 
@@ -82,15 +82,36 @@ class AdapterManager:
     # -- serving --------------------------------------------------------------------------------
     def load(self, name: str, path: str | Path, scale: float = 1.0) -> int:
         """Serve the PEFT adapter at ``path`` as ``name``, resident now; returns its slot."""
+        return self.install(self.read(name, path, scale))
+
+    def read(self, name: str, path: str | Path, scale: float = 1.0) -> ServedAdapter:
+        """Read and check the adapter (no state is touched: safe on any thread, without the loop's
+        lock); ``install`` then serves it."""
         if not self.sites:
             raise AdapterError("this artifact has no LoRA slots; compile it with --max-adapters K --max-rank R")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise AdapterError(f"adapter {name!r}: scale must be a finite number")
+        linears = {s["target"]: (s["out"], s["in"]) for s in self.sites}
+        adapter = read_adapter(Path(path), linears, name, base_name=self.base_name)
+        dora = [t for t, m in adapter.modules.items() if m.magnitude is not None]
+        if dora:
+            raise AdapterError(f"{path}: DoRA adapters ({dora[0]} has a magnitude vector) can only be merged: "
+                               f"compile with --lora {name}=DIR --merge {name}")
+        if adapter.max_rank > self.max_rank:
+            raise AdapterError(f"{path}: adapter rank {adapter.max_rank} exceeds the artifact's max rank "
+                               f"{self.max_rank}; recompile with --max-rank {adapter.max_rank}")
+        site_of = {s["target"]: s["site"] for s in self.sites}
+        sites = [(site_of[target], m.rank, m.scale * float(scale), np.ascontiguousarray(m.A, dtype=np.float32),
+                  np.ascontiguousarray(m.B, dtype=np.float32)) for target, m in adapter.modules.items()]
+        return ServedAdapter(name, f"{name}#{next(self._loads)}", sites)
+
+    def install(self, adapter: ServedAdapter) -> int:
+        """Serve an adapter ``read`` returned, resident now; returns its slot."""
+        name = adapter.name
         if name in self.served:
             raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first")
         if name in self._draining:
             raise AdapterError(f"adapter {name!r} is still finishing requests; retry shortly")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise AdapterError(f"adapter {name!r}: scale must be a finite number, got {scale!r}")
-        adapter = self._read(name, Path(path), float(scale))
         slot = self._free_slot()
         if slot is None:
             raise AdapterError(f"all {self.n_slots} adapter slots are in use by running requests")
@@ -107,21 +128,6 @@ class AdapterManager:
             self._draining[name] = adapter
         else:
             self._evict(name)
-
-    def _read(self, name: str, path: Path, scale: float) -> ServedAdapter:
-        linears = {s["target"]: (s["out"], s["in"]) for s in self.sites}
-        adapter = read_adapter(path, linears, name, base_name=self.base_name)
-        dora = [t for t, m in adapter.modules.items() if m.magnitude is not None]
-        if dora:
-            raise AdapterError(f"{path}: DoRA adapters ({dora[0]} has a magnitude vector) can only be merged: "
-                               f"compile with --lora {name}=DIR --merge {name}")
-        if adapter.max_rank > self.max_rank:
-            raise AdapterError(f"{path}: adapter rank {adapter.max_rank} exceeds the artifact's max rank "
-                               f"{self.max_rank}; recompile with --max-rank {adapter.max_rank}")
-        site_of = {s["target"]: s["site"] for s in self.sites}
-        sites = [(site_of[target], m.rank, m.scale * scale, np.ascontiguousarray(m.A, dtype=np.float32),
-                  np.ascontiguousarray(m.B, dtype=np.float32)) for target, m in adapter.modules.items()]
-        return ServedAdapter(name, path, scale, f"{name}#{next(self._loads)}", sites)
 
     # -- slots ----------------------------------------------------------------------------------
     def _free_slot(self) -> int | None:

@@ -69,15 +69,21 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _globals() -> dict:
+    """What every template can call (transformers' chat-template globals)."""
+    return {"raise_exception": _raise_exception, "strftime_now": lambda fmt: datetime.now().strftime(fmt),
+            "namespace": _Namespace, "dict": dict}
+
+
+TEMPLATE_GLOBALS = tuple(_globals())
+
+
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["namespace"] = _Namespace
-    env.globals["dict"] = dict
+    env.globals.update(_globals())
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:

@@ -114,8 +114,9 @@ class Engine:
                                   f"of {self.block_size} tokens, {_gib(n_blocks * block_bytes)}); lower --max-context "
                                   f"or give more --kv-memory")
             self.max_context = capacity
-        # the pool, plus the block table and per-sequence bookkeeping (~100 bytes a sequence)
-        need = n_blocks * block_bytes + max_seqs * (4 * -(-self.max_context // self.block_size) + 100)
+        # the pool, its reference counts (8 bytes a block), the block table and per-sequence
+        # bookkeeping (~100 bytes a sequence)
+        need = n_blocks * (block_bytes + 8) + max_seqs * (4 * -(-self.max_context // self.block_size) + 100)
         available = available_memory()
         if available is not None and need > available:
             asked = f"{kv_memory} bytes of KV memory" if kv_memory is not None else \

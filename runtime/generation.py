@@ -16,7 +16,7 @@ from infeng_common.errors import InfengError
 
 from .detokenize import ChoiceText
 from .sampling import SamplingParams, sample
-from .scheduler import SeqOutput
+from .scheduler import NON_FINITE, SeqOutput
 from .tokenizer import Tokenizer
 
 
@@ -70,6 +70,8 @@ def stream(backend: StepBackend, tokenizer: Tokenizer, prompt_ids: list[int], pa
         while not text.done:
             if len(text.token_ids) >= params.max_new_tokens:
                 out = SeqOutput(None, 0, None, "length")
+            elif not np.isfinite(logits[-1]).all():
+                raise InfengError(NON_FINITE)
             else:
                 token = sample(logits[-1], params, rng)
                 out = SeqOutput(None, 0, None, "stop") if token in eos else SeqOutput(None, 0, token)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +135,7 @@ class AccessGuard:
     def _check(self, scope, headers: dict[bytes, bytes]) -> APIError | None:
         if self.policy.loopback_only:
             host = headers.get(b"host")
-            if host is not None and not host_is_loopback(host.decode("latin-1")):
+            if host is None or not host_is_loopback(host.decode("latin-1")):
                 return APIError(421, "this server listens on loopback and only answers requests addressed to "
                                      "localhost, 127.0.0.1 or [::1] (the Host header names another host)",
                                 code="invalid_host")
@@ -208,7 +207,7 @@ class AdapterRoots:
                                 f"(--adapter-root)", param="path", code="adapter_path_forbidden")
         if "\0" in given:
             raise refused
-        path = Path(given).expanduser()
+        path = Path(given)                      # never expanduser: "~user" would tell which users exist
         candidates = [path] if path.is_absolute() else [root / path for root in self.roots]
         inside = []
         for candidate in candidates:
@@ -235,10 +234,3 @@ class AdapterRoots:
                     if not self._inside(target):
                         raise refused
         return resolved
-
-    def relative(self, path: Path) -> str:
-        """``path`` as a client may see it: relative to its root."""
-        for root in self.roots:
-            if path == root or path.is_relative_to(root):
-                return os.path.relpath(path, root)
-        return path.name

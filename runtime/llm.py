@@ -56,6 +56,7 @@ class _Choice:
     def __init__(self, text: ChoiceText, prompt_tokens: int):
         self.text = text
         self.prompt_tokens = prompt_tokens
+        self.request_id = ""
         self.pieces: list[str] = []        # released text not yet handed to a stream
         self.submitted = time.perf_counter()
         self.first: float | None = None
@@ -101,13 +102,15 @@ class LLM:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                adapter: str | None = None) -> "TextStream":
         """Continue one prompt; iterate for text as it becomes final, then read ``completion``."""
-        return TextStream(self.loop, self._submit(prompt, params or SamplingParams(), adapter, None))
+        choice = self._submit(prompt, params or SamplingParams(), adapter, None)
+        return TextStream(self.loop, choice.request_id, choice)
 
     def _submit(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                 logprobs: int | None) -> _Choice:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         choice = _Choice(ChoiceText(self.tokenizer, ids, tuple(params.stop), logprobs is not None), len(ids))
-        request = Request(f"offline-{next(self._ids)}", ids, params, adapter=adapter, logprobs=logprobs,
+        choice.request_id = f"offline-{next(self._ids)}"
+        request = Request(choice.request_id, ids, params, adapter=adapter, logprobs=logprobs,
                           sink=self._sink, context=choice)
         self.loop.submit(request)
         return choice
@@ -134,19 +137,23 @@ class LLM:
 class TextStream:
     """The text of one request as the loop produces it (the loop runs while it is iterated)."""
 
-    def __init__(self, loop: EngineLoop, choice: _Choice):
-        self.loop, self.choice = loop, choice
+    def __init__(self, loop: EngineLoop, request_id: str, choice: _Choice):
+        self.loop, self.request_id, self.choice = loop, request_id, choice
 
     def __iter__(self) -> Iterator[str]:
         choice = self.choice
-        while True:
+        try:
+            while True:
+                while choice.pieces:
+                    yield choice.pieces.pop(0)
+                if choice.text.done or not self.loop.has_work():
+                    break
+                self.loop.run_once()
             while choice.pieces:
                 yield choice.pieces.pop(0)
-            if choice.text.done or not self.loop.has_work():
-                break
-            self.loop.run_once()
-        while choice.pieces:
-            yield choice.pieces.pop(0)
+        finally:                                 # left early: the request ends here, not in a later step
+            if not choice.text.done:
+                self.loop.abort(self.request_id)
 
     @property
     def completion(self) -> Completion:

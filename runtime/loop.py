@@ -97,6 +97,7 @@ class EngineLoop:
         with self.lock:
             outs = [o for rid in list(self.scheduler.requests) for o in self.scheduler.abort(rid)]
         self._deliver(outs)
+        self._fail_commands(EngineStopped("the engine loop stopped before the command ran"))
 
     @property
     def alive(self) -> bool:
@@ -106,12 +107,10 @@ class EngineLoop:
     def submit(self, request: Request) -> None:
         """Queue a request; raises RequestError (bad request, unknown adapter), QueueFull or
         EngineStopped."""
-        if self.error is not None or self._stop:
-            raise EngineStopped(f"the engine loop has {'failed' if self.error else 'stopped'}; "
-                                f"no request is accepted")
-        if request.adapter is not None and request.adapter not in self.adapters.served:
-            raise RequestError(f"the model {request.adapter!r} does not exist", "model", "model_not_found", 404)
         with self._wake:
+            if self.error is not None or self._stop:
+                raise EngineStopped(f"the engine loop has {'failed' if self.error else 'stopped'}; "
+                                    f"no request is accepted")
             self.scheduler.add(request)
             self._wake.notify()
 
@@ -140,8 +139,23 @@ class EngineLoop:
         return fut
 
     def load_adapter(self, name: str, path: str | Path, scale: float = 1.0) -> Future:
-        """Serve the PEFT adapter at ``path`` as model ``name`` (loaded into a slot now)."""
-        return self.call(lambda: self.adapters.load(name, path, scale))
+        """Serve the PEFT adapter at ``path`` as model ``name``: read and checked on a worker thread
+        (files, regexes, finiteness: nothing holds the loop's lock meanwhile), then put into a slot
+        between two steps. The future has the slot."""
+        result: Future = Future()
+
+        def read() -> None:
+            try:
+                adapter = self.adapters.read(name, path, scale)
+            except BaseException as e:          # handed to the caller
+                result.set_exception(e)
+                return
+            installed = self.call(lambda: self.adapters.install(adapter))
+            installed.add_done_callback(lambda f: result.set_exception(f.exception()) if f.exception()
+                                        else result.set_result(f.result()))
+
+        threading.Thread(target=read, name="infeng-adapter-read", daemon=True).start()
+        return result
 
     def unload_adapter(self, name: str) -> Future:
         """Stop serving ``name``; requests already accepted for it still finish with it."""
@@ -153,10 +167,22 @@ class EngineLoop:
                 if not self._commands:
                     return
                 fn, fut = self._commands.popleft()
+                if not fut.set_running_or_notify_cancel():      # its caller gave up: skip it
+                    continue
                 try:
-                    fut.set_result(fn())
+                    result = fn()
                 except BaseException as e:   # handed to the caller
                     fut.set_exception(e)
+                else:
+                    fut.set_result(result)
+
+    def _fail_commands(self, error: BaseException) -> None:
+        """Answer every command still queued with ``error`` (the loop will not run them)."""
+        with self.lock:
+            commands, self._commands = list(self._commands), collections.deque()
+        for _, fut in commands:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
 
     # -- the loop ---------------------------------------------------------------------------
     def run_once(self) -> bool:
@@ -215,13 +241,16 @@ class EngineLoop:
             held, self._held = self._held, []
             self._deliver(held)
         except BaseException as e:          # keep the reason for /health; fail what is in flight
-            self.error = e
             with self.lock:
+                self.error = e                  # submit refuses from now on (it checks under the lock)
+                finished, self._held = self._held + self.scheduler.failed, []
+                self.scheduler.failed = []
                 outs = [o for rid in list(self.scheduler.requests)
                         for o in self.scheduler.abort(rid, reason="error")]
             for o in outs:
                 o.error = f"engine loop failed: {e}"
-            self._deliver(outs)
+            self._deliver(finished + outs)
+            self._fail_commands(EngineStopped(f"the engine loop failed: {e}"))
             _log.error("the engine loop failed; every request in flight was ended with an error", exc_info=e)
             if self.on_fatal is not None:
                 self.on_fatal(e)

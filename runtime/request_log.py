@@ -124,9 +124,18 @@ class RequestLog:
 
 
 # -- formatting -----------------------------------------------------------------------------------
+#: Longest value a log line carries (client strings such as ``model`` are cut to it).
+MAX_FIELD_CHARS = 200
+
+
 def _plain(value: Any) -> str:
+    """A field's value for a key=value line: cut to MAX_FIELD_CHARS; quoted (JSON-escaped) when it
+    holds a space, a quote, ``=`` or any character that is not printable, so no client string can
+    forge a line or a field."""
     text = str(value)
-    if not text or any(c in text for c in ' "=\n\t'):
+    if len(text) > MAX_FIELD_CHARS:
+        text = text[:MAX_FIELD_CHARS] + "..."
+    if not text or not text.isprintable() or any(c in text for c in ' "='):
         return json.dumps(text)
     return text
 
@@ -152,7 +161,8 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {"time": self.formatTime(record), "level": record.levelname.lower(),
                                "logger": record.name, "event": record.getMessage()}
-        out.update(getattr(record, "fields", None) or {})
+        out.update({k: v[:MAX_FIELD_CHARS] if isinstance(v, str) else v
+                    for k, v in (getattr(record, "fields", None) or {}).items()})
         if record.exc_info:
             out["traceback"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
@@ -165,11 +175,12 @@ LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": l
 
 
 def configure_logging(level: str = "info", fmt: str = "text") -> logging.Handler:
-    """Send ``infeng.server`` and uvicorn's loggers to stderr in ``fmt`` (text or json) at ``level``."""
+    """Send infeng's loggers (``infeng.server``, ``infeng.engine``) and uvicorn's to stderr in
+    ``fmt`` (text or json) at ``level``."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else KeyValueFormatter())
     numeric = LOG_LEVELS[level.lower()]
-    for name in ("infeng.server", "uvicorn", "uvicorn.access"):
+    for name in ("infeng", "uvicorn", "uvicorn.access"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.setLevel(numeric)

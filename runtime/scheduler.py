@@ -40,6 +40,8 @@ from .kv_cache import BlockAllocator, block_hashes
 from .sampling import SamplingParams, sample
 
 NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this sequence"
+#: The logprob reported for a token of probability 0 (OpenAI's value; -inf is not JSON).
+LOGPROB_FLOOR = -9999.0
 
 
 def _finite_at(logits: np.ndarray, rows: range | list[int], columns: list[int]) -> bool:
@@ -206,8 +208,8 @@ class Scheduler:
                             f"{self.max_waiting}); retry later")
         namespace = ""
         if request.adapter:
-            if self.adapters is None:
-                raise RequestError("this engine serves no adapters", "model", "model_not_found", 404)
+            if self.adapters is None or request.adapter not in self.adapters.served:
+                raise RequestError(f"the model {request.adapter!r} does not exist", "model", "model_not_found", 404)
             self.adapters.hold(request.adapter, request.n)
             namespace = self.adapters.namespace(request.adapter)
         arrival = next(self._arrivals)
@@ -423,7 +425,7 @@ class Scheduler:
         if k is not None:
             z = row.astype(np.float64)
             z -= z.max()
-            logp = z - np.log(np.exp(z).sum())
+            logp = np.maximum(z - np.log(np.exp(z).sum()), LOGPROB_FLOOR)     # -inf (masked) is not JSON
             out.logprob = float(logp[token])
             if k > 0:
                 top = np.argpartition(-logp, k - 1)[:k]

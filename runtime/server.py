@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from infeng_common.errors import InfengError
 
 from .api_errors import APIError
-from .chat import SPECIAL_TOKEN_KEYS, ChatTemplateError, message_text, render_chat
+from .chat import SPECIAL_TOKEN_KEYS, TEMPLATE_GLOBALS, ChatTemplateError, message_text, render_chat
 from .detokenize import ChoiceText, Delta, TokenTexts
 from .http_guard import AccessGuard, AccessPolicy, AdapterRoots, is_loopback_address
 from .json_body import parse_json
@@ -74,7 +74,7 @@ CHARS_PER_TOKEN = 16
 MAX_ADAPTER_NAME = 128
 #: ``chat_template_kwargs`` keys that would replace the renderer's own variables.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents", "chat_template",
-                                      "additional_special_tokens", *SPECIAL_TOKEN_KEYS})
+                                      "additional_special_tokens", *SPECIAL_TOKEN_KEYS, *TEMPLATE_GLOBALS})
 SHUTTING_DOWN = "the server is shutting down"
 
 
@@ -831,9 +831,9 @@ class Server:
             raise APIError(400, "give the adapter's name and path: {\"name\": ..., \"path\": ...}",
                            param="name" if not name else "path")
         record.model = record.adapter = name
-        if len(name) > MAX_ADAPTER_NAME or not name.isprintable() or any(c.isspace() for c in name):
-            raise APIError(400, f"an adapter name has at most {MAX_ADAPTER_NAME} printable characters and no "
-                                f"spaces", param="name")
+        if len(name) > MAX_ADAPTER_NAME or not name.isprintable() or any(c.isspace() or c == "/" for c in name):
+            raise APIError(400, f"an adapter name has at most {MAX_ADAPTER_NAME} printable characters, no spaces "
+                                f"and no '/'", param="name")
         if name == self.model_name:
             raise APIError(400, f"{name!r} is the base model's name", param="name")
         path = self.adapter_roots.confine(given)

@@ -225,6 +225,7 @@ class FixedSlots:
 
     def __init__(self, slots: dict[str, int | None]):
         self.slots, self.held, self.running = slots, {}, set()
+        self.served = slots
 
     def namespace(self, name):
         return name
@@ -257,8 +258,10 @@ def test_adapter_slots_per_token():
     busy = make_scheduler(adapters=FixedSlots({"x": None}))
     busy.add(request("w", 2, adapter="x"))
     assert busy.schedule() is None and busy.num_waiting == 1
-    with pytest.raises(RequestError, match="serves no adapters"):
+    with pytest.raises(RequestError, match="the model 'x' does not exist"):
         make_scheduler().add(request("no-pool", 2, adapter="x"))
+    with pytest.raises(RequestError, match="the model 'z' does not exist"):
+        sched.add(request("unknown", 2, adapter="z"))
 
 
 def test_non_finite_logits_fail_that_sequence_alone():

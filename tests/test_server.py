@@ -270,7 +270,8 @@ def test_serve_cli_errors_are_one_line(artifact, tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "/no/such/adapter" in bad.stderr
     bad = subprocess.run([*infeng_command(), "serve", str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "not a compiled artifact" in bad.stderr
+    assert bad.returncode == 2 and "config.json: file not found" in bad.stderr     # neither artifact nor model
+    assert bad.stderr.strip().count("\n") == 0
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -61,10 +61,12 @@ from .scheduler import QueueFull, Request, RequestError, SeqOutput
 __all__ = ["APIError", "ServeOptions", "Server", "build_server", "serve"]
 
 DISCONNECT_POLL_SECONDS = 0.5
-#: Longest the text work of one request (chat template, tokenizer) may take; past it the request
-#: is dropped with 400. It runs on ``TEXT_WORKERS`` threads, never on the event loop thread.
+#: Longest the text work of one request (chat template, tokenizer) may take once it runs; past it
+#: the request is dropped with 400. It runs on ``TEXT_WORKERS`` threads, never on the event loop
+#: thread; past ``TEXT_QUEUE_BOUND`` requests waiting for a thread, a new one gets 503.
 TEXT_WORK_SECONDS = 5.0
 TEXT_WORKERS = 2
+TEXT_QUEUE_BOUND = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 PRIORITY_BOUND = 1000
@@ -289,6 +291,7 @@ class Server:
             self.event_loop = asyncio.get_running_loop()
             self.sink = _AsyncSink(self.event_loop)
             self.text_pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="infeng-text")
+            self.text_waiting = 0                   # requests whose text work waits for a thread
             self.loop.start()
             LOGGER.info("serving", extra={"fields": self.describe()})
             try:
@@ -472,12 +475,32 @@ class Server:
                            param=param, code="context_length_exceeded")
 
     async def _text_work(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the text thread pool, within ``TEXT_WORK_SECONDS``."""
-        future = self.text_pool.submit(fn, *args)
+        """``fn(*args)`` on the text thread pool, within ``TEXT_WORK_SECONDS`` from when it starts
+        running (time spent waiting behind other requests' work is not held against it)."""
+        if self.text_waiting >= TEXT_QUEUE_BOUND:
+            raise _unavailable("the server is busy preparing other prompts; retry shortly", "text_queue_full")
+        event_loop = asyncio.get_running_loop()
+        began = asyncio.Event()
+
+        def run() -> Any:
+            event_loop.call_soon_threadsafe(began.set)
+            return fn(*args)
+
+        future = self.text_pool.submit(run)
+        done = asyncio.wrap_future(future)
+        started = asyncio.ensure_future(began.wait())
+        self.text_waiting += 1
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), TEXT_WORK_SECONDS)
-        except asyncio.TimeoutError:
+            await asyncio.wait({started, done}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:              # the client left while its work waited
             future.cancel()
+            raise
+        finally:
+            self.text_waiting -= 1
+            started.cancel()
+        try:
+            return await asyncio.wait_for(done, TEXT_WORK_SECONDS)
+        except asyncio.TimeoutError:
             raise APIError(400, f"preparing the prompt (chat template, tokenizer) took longer than "
                                 f"{TEXT_WORK_SECONDS:g} s; the request was dropped",
                            code="prompt_too_expensive") from None

@@ -5,6 +5,8 @@
   shape arithmetic and raises the primitive ops to transformer ops. An ONNX file carries no
   tokenizer: ``tokenizer_dir`` (a Hugging Face model or tokenizer directory) supplies it, and its
   ``config.json`` (when present) the BOS/EOS ids and the context length.
+- a ``.gguf`` file (llama.cpp): ``gguf.import_gguf``, the same graph as ``hf.py`` builds; its
+  tokenizer is generated from the file's metadata (``gguf.gguf_tokenizer_dir``).
 - a Hugging Face Hub id (``org/name[@revision]``, not an existing path): ``hub.resolve_model_path``
   gives its snapshot in the local Hub cache (downloaded when missing), then as above.
 """
@@ -27,7 +29,7 @@ class ModelSource:
     """What the compiler needs besides the graph: where the tokenizer is, the config, the source files."""
 
     path: Path
-    kind: str                                  # "hf" or "onnx"
+    kind: str                                  # "hf", "onnx" or "gguf"
     tokenizer_dir: Path | None
     config: dict[str, Any] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)
@@ -37,11 +39,19 @@ def is_onnx(path: str | Path) -> bool:
     return Path(path).suffix.lower() == ".onnx"
 
 
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf"
+
+
 def model_source(path: str | Path, tokenizer_dir: str | Path | None = None) -> ModelSource:
     from .hf import load_config, resolve_model_dir
     from .hub import resolve_model_path
 
     p = resolve_model_path(path)
+    if is_gguf(p):
+        from .gguf import gguf_source
+
+        return gguf_source(p, tokenizer_dir)
     if is_onnx(p):
         if not p.is_file():
             raise ModelFormatError(f"{p}: file not found")
@@ -67,6 +77,13 @@ def import_model(path: str | Path, tokenizer_dir: str | Path | None = None, *, s
 
     hub_name, path = hub_model_name(path), resolve_model_path(path)
     source = model_source(path, tokenizer_dir)
+    if source.kind == "gguf":
+        from .gguf import import_gguf
+
+        graph = import_gguf(source.path, tokenizer_dir)
+        if after:
+            after("import", graph)
+        return graph
     if source.kind == "hf":
         from .hf import import_hf
 
@@ -128,4 +145,4 @@ def _external_data_files(path: Path) -> list[Path]:
     return [path.parent / n for n in sorted(names) if (path.parent / n).is_file()]
 
 
-__all__ = ["import_model", "model_source", "ModelSource", "is_onnx", "ONNX_PIPELINE", "require_raised"]
+__all__ = ["import_model", "model_source", "ModelSource", "is_onnx", "is_gguf", "ONNX_PIPELINE", "require_raised"]

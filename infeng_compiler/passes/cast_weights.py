@@ -1,6 +1,9 @@
 """Pass ``cast-weights(dtype)``: store matrix weights (rank 2) as f32, f16 or bf16.
 
 Vectors (norm weights, biases) stay f32: they are tiny and feed additions, not dot products.
+Weights imported quantized (``prequantized``: GGUF Q8_0/Q4_0 as q8g32/q4g32) keep their codes and
+format; the matmuls that read them get the activation quantization their integer kernels read
+(``quantize.quantize_activations``, as the ``quantize`` pass gives its own weights).
 The logical type keeps the source dtype; the storage format is the weight's ``format`` attribute,
 which the printer shows, the interpreter honours (it rounds through the format) and codegen uses.
 """
@@ -32,8 +35,16 @@ class CastWeights:
     def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
         changed = False
         for w in graph.weights.values():
+            if w.attrs.get("prequantized"):
+                continue
             fmt = self.dtype if w.type.rank == 2 else "f32"
             if w.attrs.get("format", w.type.dtype) != fmt:
                 w.attrs["format"] = fmt
                 changed = True
+        if any(w.attrs.get("prequantized") for w in graph.weights.values()):
+            from .quantize import quantize_activations
+
+            before = len(graph.nodes)
+            quantize_activations(graph)
+            changed = changed or len(graph.nodes) != before
         return changed

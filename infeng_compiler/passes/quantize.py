@@ -150,7 +150,9 @@ class Quantize:
         self.tolerance = self.TOLERANCE.get(family, self.TOLERANCE["int4"])
 
     def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
-        assignment = self.policy.assign(graph)
+        # weights imported quantized (GGUF Q8_0/Q4_0) keep their codes: no second quantization
+        kept = {name for name, w in graph.weights.items() if w.attrs.get("prequantized")}
+        assignment = {name: a for name, a in self.policy.assign(graph).items() if name not in kept}
         if not assignment:
             return False
         stats = None
@@ -192,7 +194,11 @@ class Quantize:
             if a.fallback_from:
                 w.attrs["fallback_from"] = a.fallback_from
             reports.append(TensorReport(name, a.format, tuple(w.type.shape), nbytes, a.rule, a.padded, a.fallback_from))
-        _quantize_activations(graph)
+        for name in sorted(kept & {w.name for n in graph.nodes for w in n.weights}):
+            w = graph.weights[name]
+            reports.append(TensorReport(name, w.format, tuple(w.type.shape), get_format(w.format).nbytes(w.type.shape),
+                                        f"kept: {w.attrs['prequantized']}"))
+        quantize_activations(graph)
         ctx["quant_report"] = QuantReport(f"quantize({','.join(self.args)})", reports,
                                           [{"value": s.value, "folded_into": s.folded_into, "alpha": s.alpha,
                                             "loss_before": s.loss_before, "loss_after": s.loss_after}
@@ -267,9 +273,10 @@ def act_form(weight_format: str) -> tuple[int, int] | None:
     return (16, ACT_FORMS[16]) if get_format(weight_format).bits == 8 else (8, ACT_FORMS[8])
 
 
-def _quantize_activations(graph: Graph) -> None:
+def quantize_activations(graph: Graph) -> None:
     """One ``quantize_act`` per (value, form) read by a matmul with an integer weight, placed
-    before the first such reader; int8 weights get int16 activations, int4 weights int8 ones."""
+    before the first such reader; int8 weights get int16 activations, int4 weights int8 ones.
+    Matmuls that already read a ``quantize_act`` are left alone (so it can run again)."""
     inserted: dict[tuple[str, tuple[int, int]], Node] = {}
     producers = {name: p.op for name, p in graph.producers().items()}
     for n in list(graph.nodes):

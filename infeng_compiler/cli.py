@@ -328,16 +328,19 @@ def _print_generation(runner, tokenizer, prompt: str, params, as_json: bool, lab
                   lambda: result, as_json, label)
 
 
-def _print_stream(prompt: str, pieces, result, as_json: bool, label: str) -> None:
+def _print_stream(prompt: str, pieces, result, as_json: bool, label: str,
+                  speculative: Callable[[], dict] | None = None) -> None:
     """Stream ``pieces`` after the prompt to stdout (or print one JSON object), then tok/s;
-    ``result()`` is the finished generation (text, token_ids, finish_reason, prompt_tokens, times)."""
+    ``result()`` is the finished generation (text, token_ids, finish_reason, prompt_tokens, times);
+    ``speculative()``, when given, the draft counters (JSON key ``speculative``, a line on stderr)."""
     if as_json:
         for _ in pieces:
             pass
         r = result()
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
                           "prompt_tokens": r.prompt_tokens, "tok_s": round(r.tok_s, 2),
-                          "prefill_tok_s": round(r.prompt_tokens / max(r.prefill_seconds, 1e-9), 2)}))
+                          "prefill_tok_s": round(r.prompt_tokens / max(r.prefill_seconds, 1e-9), 2),
+                          **({"speculative": speculative()} if speculative else {})}))
         return
     sys.stdout.write(prompt)
     for piece in pieces:
@@ -346,6 +349,11 @@ def _print_stream(prompt: str, pieces, result, as_json: bool, label: str) -> Non
     sys.stdout.write("\n")
     r = result()
     err.print(f"[dim]{len(r.token_ids)} tokens, {r.tok_s:.1f} tok/s ({label})[/]")
+    if speculative:
+        s = speculative()
+        rate = f"{100 * s['acceptance']:.0f}%" if s["acceptance"] is not None else "-"
+        err.print(f"[dim]speculative {s['method']}: {s['draft_tokens']} drafted, {s['accepted_tokens']} accepted "
+                  f"({rate}), {s['steps']} steps[/]")
 
 
 def parse_named_paths(items: list[str], option: str) -> dict[str, Path]:
@@ -432,6 +440,11 @@ def quant_table(report):
     return table
 
 
+SPECULATIVE = typer.Option(None, "--speculative",
+                           help="draft and verify several tokens per step: ngram (prompt lookup), "
+                                "draft:ARTIFACT (a smaller model, same tokenizer); :K caps the draft length")
+
+
 @app.command("run")
 @fails_cleanly
 def run_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
@@ -444,18 +457,30 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
                 threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
                 adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: load a LoRA adapter (repeatable)"),
                 use: Optional[str] = typer.Option(None, "--use", help="generate with adapter NAME"),
+                speculative: Optional[str] = SPECULATIVE,
                 as_json: bool = typer.Option(False, "--json")):
     """Generate from a compiled artifact, streaming text, and print tok/s (the engine loop and
     scheduler of ``infeng serve``: the same request gives the same text)."""
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
+    from infeng_runtime.speculative import parse_speculative
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
-    llm = LLM(artifact, threads=threads, max_seqs=1, adapters=parse_named_paths(adapter, "--adapter"))
+    spec = parse_speculative(speculative)
+    llm = LLM(artifact, threads=threads, max_seqs=1, adapters=parse_named_paths(adapter, "--adapter"),
+              speculative=spec)
     label = f"compiled, {llm.engine.threads} threads" + (f", adapter {use}" if use else "")
     stream = llm.stream(prompt, params, adapter=use)
-    _print_stream(prompt, stream, lambda: stream.completion, as_json, label)
+    extra = None
+    if spec is not None:
+        def extra() -> dict:
+            s = llm.loop.speculator.stats
+            return {"method": spec.method, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+                    "acceptance": round(s.accepted_tokens / s.draft_tokens, 3) if s.draft_tokens else None,
+                    "steps": llm.loop.stats.steps}
+    _print_stream(prompt, stream, lambda: stream.completion, as_json, label, extra)
+    llm.close()
 
 
 def parse_size(text: str, option: str) -> int:
@@ -507,6 +532,7 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                                                               "SIGTERM/SIGINT"),
                   log_format: str = typer.Option("text", "--log-format", help="text (key=value) or json"),
                   log_level: str = typer.Option("info", "--log-level"),
+                  speculative: Optional[str] = SPECULATIVE,
                   target: str = TARGET, dtype: DType = DTYPE, max_tokens: int = MAX_TOKENS,
                   max_adapters: int = typer.Option(0, "--max-adapters", min=0,
                                                    help="LoRA slots when compiling MODEL (default: 4 with --adapter "
@@ -545,6 +571,9 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                            trust_request_chat_template=trust_request_chat_template,
                            max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
                            shutdown_timeout=shutdown_timeout)
+    from infeng_runtime.speculative import parse_speculative
+
+    options.speculative = parse_speculative(speculative)
     options.check()
     serve(artifact, options)
 

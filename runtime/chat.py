@@ -113,20 +113,28 @@ def message_text(content: Any) -> Any:
     return content
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                template: str | None = None, **kwargs: Any) -> str:
-    """The prompt text for ``messages``."""
+def template_source(tokenizer: Tokenizer, template: str | None = None) -> str | None:
+    """The template that renders a chat: the request's, else the model's (its ``default`` one
+    when it has named templates)."""
     source = template or tokenizer.chat_template
     if isinstance(source, list):          # named templates: [{"name": "default", "template": ...}]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
+    return source
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                template: str | None = None, tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+    """The prompt text for ``messages`` (and ``tools``, OpenAI's tool list, for a template that
+    reads the ``tools`` variable; tools.hermes_messages describes them to one that does not)."""
+    source = template_source(tokenizer, template)
     if not source:
         raise ChatTemplateError("this model has no chat template (no chat_template.jinja, and tokenizer_config.json "
                                 "has no chat_template); use /v1/completions")
     messages = [{**m, "content": message_text(m.get("content"))} for m in messages]
     context = {**special_tokens(tokenizer), **kwargs}
     try:
-        return compile_template(source).render(messages=messages, tools=None, documents=None,
+        return compile_template(source).render(messages=messages, tools=tools or None, documents=None,
                                                add_generation_prompt=add_generation_prompt, **context)
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"the chat template failed on these messages: {e}") from None

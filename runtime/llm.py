@@ -29,6 +29,7 @@ from .engine import Engine
 from .loop import EngineLoop
 from .sampling import SamplingParams
 from .scheduler import Request, SeqOutput
+from .speculative import SpeculativeConfig, parse_speculative
 
 
 @dataclass
@@ -74,14 +75,18 @@ class LLM:
 
     def __init__(self, artifact: str | Path, *, threads: int = 0, max_seqs: int = 16, max_context: int | None = None,
                  kv_blocks: int | None = None, kv_memory: int | None = None, max_batched_tokens: int | None = None,
-                 prefix_cache: bool = True, adapters: dict[str, str | Path] | None = None):
+                 prefix_cache: bool = True, adapters: dict[str, str | Path] | None = None,
+                 speculative: str | SpeculativeConfig | None = None):
+        """``speculative``: ``"ngram"``, ``"draft:ARTIFACT"`` (``[:K]``, the most drafted tokens per
+        step) or a ``SpeculativeConfig``; None decodes one token per step (docs/speculative.md)."""
         self.engine = Engine(artifact, threads=threads, max_seqs=max_seqs, max_context=max_context,
                              kv_blocks=kv_blocks, kv_memory=kv_memory)
         if self.engine.tokenizer is None:
             raise InfengError(f"{artifact}: the artifact has no tokenizer.json")
         self.tokenizer = self.engine.tokenizer
+        spec = parse_speculative(speculative) if isinstance(speculative, str) else speculative
         self.loop = EngineLoop(self.engine, max_batched_tokens=max_batched_tokens, max_waiting=1 << 62,
-                               prefix_cache=prefix_cache)
+                               prefix_cache=prefix_cache, speculative=spec)
         for name, path in (adapters or {}).items():
             self.loop.load_adapter(name, path).result()
         self._ids = itertools.count()
@@ -131,6 +136,8 @@ class LLM:
                 self.loop.abort(out.request.request_id)
 
     def close(self) -> None:
+        if self.loop.speculator is not None:
+            self.loop.speculator.close()
         self.engine.close()
 
 

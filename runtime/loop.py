@@ -29,6 +29,7 @@ from typing import Any, Callable
 from infeng_common.errors import InfengError
 
 from .scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput
+from .speculative import SpeculativeConfig, Speculator
 
 __all__ = ["EngineLoop", "EngineStopped", "LoopStats", "QueueFull", "RequestError"]
 
@@ -60,7 +61,7 @@ class EngineLoop:
     one iteration on the caller's thread (the offline API does that)."""
 
     def __init__(self, engine, *, max_batched_tokens: int | None = None, max_waiting: int = 256,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, speculative: SpeculativeConfig | None = None):
         self.engine = engine
         engine.kv.prefix_cache = prefix_cache
         tokenizer = engine.tokenizer
@@ -68,6 +69,9 @@ class EngineLoop:
         self.adapters = engine.adapters
         self.scheduler = Scheduler(engine.kv, list(eos), max_batched_tokens=max_batched_tokens or engine.max_tokens,
                                    max_waiting=max_waiting, max_context=engine.max_context, adapters=engine.adapters)
+        # speculative decoding (speculative.py): decodes draft and the step verifies; measured at load
+        self.speculator = Speculator(speculative, engine) if speculative is not None else None
+        self.scheduler.speculator = self.speculator
         self.stats = LoopStats()
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)
@@ -296,4 +300,12 @@ class EngineLoop:
                     "computed_prompt_tokens": sched.stats.computed_prompt_tokens,
                     "generated_tokens": sched.stats.generated_tokens, "steps": self.stats.steps,
                     "step_seconds": self.stats.step_seconds, "forward_seconds": self.stats.forward_seconds,
-                    "overhead_seconds_per_step": self.stats.overhead_seconds}
+                    "overhead_seconds_per_step": self.stats.overhead_seconds, **self._spec_snapshot()}
+
+    def _spec_snapshot(self) -> dict[str, Any]:
+        spec = self.speculator
+        if spec is None:
+            return {"spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_emitted_tokens": 0}
+        s = spec.stats
+        return {"spec_drafts": s.drafts, "spec_draft_tokens": s.draft_tokens, "spec_accepted_tokens": s.accepted_tokens,
+                "spec_emitted_tokens": s.emitted_tokens}

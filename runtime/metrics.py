@@ -1,22 +1,69 @@
 """Prometheus metrics of a server: request counts and latencies observed by the HTTP side, engine
-state read from the loop at scrape time (so the step loop pays nothing for them)."""
+state read from the loop at scrape time (so the step loop pays nothing for them).
+
+Beside infeng's own names, the ones vLLM exports (``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``, ``vllm:lora_requests_info``, ...; label ``model_name``), which the
+Kubernetes inference gateway and llm-d route on. vLLM counts prefix-cache queries and hits in
+tokens: infeng's block counts times the block size."""
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .loop import EngineLoop
+from .scheduler import WAITING
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 30.0)
 
 
 class _LoopCollector:
-    def __init__(self, loop: EngineLoop):
+    def __init__(self, loop: EngineLoop, model_name: str):
         self.loop = loop
+        self.model_name = model_name
+
+    def _adapters(self) -> tuple[list[str], list[str]]:
+        """Adapters of the running and the waiting sequences."""
+        with self.loop.lock:
+            sched = self.loop.scheduler
+            running = {s.request.adapter for s in sched.running if s.request.adapter}
+            waiting = {s.request.adapter for _, _, s in sched.waiting if s.status == WAITING and s.request.adapter}
+        return sorted(running), sorted(waiting)
+
+    def _vllm(self, s: dict):
+        labels, values = ["model_name"], [self.model_name]
+        block = self.loop.scheduler.kv.block_size
+        gauges = [("vllm:num_requests_running", "sequences running (holding KV blocks)", s["running"]),
+                  ("vllm:num_requests_waiting", "sequences waiting for admission", s["waiting"]),
+                  ("vllm:kv_cache_usage_perc", "fraction of the KV block pool in use (1 = full)",
+                   s["kv_blocks_used"] / s["kv_blocks_total"] if s["kv_blocks_total"] else 0.0)]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            yield g
+        counters = [("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                     s["prefix_queries"] * block),
+                    ("vllm:prefix_cache_hits", "prompt tokens found in the prefix cache", s["prefix_hits"] * block),
+                    ("vllm:num_preemptions", "preemptions (recompute)", s["preemptions"]),
+                    ("vllm:prompt_tokens", "prompt tokens of admitted sequences", s["prompt_tokens"]),
+                    ("vllm:generation_tokens", "tokens generated", s["generated_tokens"])]
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            yield c
+        running, waiting = self._adapters()
+        info = GaugeMetricFamily("vllm:lora_requests_info", "adapters of the running and waiting requests (value: "
+                                 "the scrape's time)", labels=["max_lora", "running_lora_adapters",
+                                                                "waiting_lora_adapters"])
+        slots = getattr(self.loop.adapters, "n_slots", 0) if self.loop.adapters is not None else 0
+        info.add_metric([str(slots), ",".join(running), ",".join(waiting)], time.time())
+        yield info
 
     def collect(self):
         s = self.loop.snapshot()
+        yield from self._vllm(s)
         gauges = [("infeng_queue_depth", "sequences waiting for admission", s["waiting"]),
                   ("infeng_running_sequences", "sequences holding KV blocks", s["running"]),
                   ("infeng_kv_blocks_used", "KV blocks referenced by live sequences", s["kv_blocks_used"]),
@@ -44,20 +91,61 @@ class _LoopCollector:
             yield CounterMetricFamily(name, doc, value=value)
 
 
+class _Observers:
+    """Observes a value into several histograms (infeng's and vLLM's name for one quantity)."""
+
+    def __init__(self, *histograms):
+        self.histograms = histograms
+
+    def observe(self, value: float) -> None:
+        for h in self.histograms:
+            h.observe(value)
+
+
 class ServerMetrics:
     """One registry per server (tests run several in one process)."""
 
-    def __init__(self, loop: EngineLoop):
+    def __init__(self, loop: EngineLoop, model_name: str = ""):
         self.registry = CollectorRegistry()
         self.requests = Counter("infeng_requests", "HTTP requests to the API by endpoint and status code",
                                 ["endpoint", "status"], registry=self.registry)
-        self.ttft = Histogram("infeng_time_to_first_token_seconds", "request arrival to its first token",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("infeng_inter_token_latency_seconds", "time between two tokens of one choice",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("infeng_request_seconds", "request arrival to its last token",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(_LoopCollector(loop))
+
+        def pair(name: str, vllm_name: str, doc: str) -> _Observers:
+            ours = Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+            theirs = Histogram(vllm_name, doc, ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry)
+            return _Observers(ours, theirs.labels(model_name))
+
+        self.ttft = pair("infeng_time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
+                         "request arrival to its first token")
+        self.itl = pair("infeng_inter_token_latency_seconds", "vllm:inter_token_latency_seconds",
+                        "time between two tokens of one choice")
+        self.e2e = pair("infeng_request_seconds", "vllm:e2e_request_latency_seconds",
+                        "request arrival to its last token")
+        self.registry.register(_LoopCollector(loop, model_name))
+        self.registry.register(_SpecCollector(loop))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecCollector:
+    """Speculative decoding counters (docs/speculative.md), under infeng's and vLLM's names."""
+
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+
+    def collect(self):
+        s = self.loop.snapshot()
+        drafted, accepted = s["spec_draft_tokens"], s["spec_accepted_tokens"]
+        counters = [("infeng_spec_decode_drafts", "vllm:spec_decode_num_drafts",
+                     "verification steps of a sequence with drafted tokens", s["spec_drafts"]),
+                    ("infeng_spec_decode_draft_tokens", "vllm:spec_decode_num_draft_tokens", "tokens drafted",
+                     drafted),
+                    ("infeng_spec_decode_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+                     "drafted tokens the target accepted", accepted)]
+        for ours, theirs, doc, value in counters:
+            yield CounterMetricFamily(ours, doc, value=value)
+            yield CounterMetricFamily(theirs, doc, value=value)
+        rate = accepted / drafted if drafted else 0.0
+        yield GaugeMetricFamily("infeng_spec_decode_acceptance_rate", "accepted / drafted tokens", value=rate)
+        yield GaugeMetricFamily("vllm:spec_decode_draft_acceptance_rate", "accepted / drafted tokens", value=rate)

@@ -23,6 +23,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    speculative: bool | None = None   # None/True: draft if the engine speculates; False: never
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -45,6 +46,13 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     """One token id from a row of logits (which the caller has checked are finite)."""
     if params.greedy:
         return int(np.argmax(logits))
+    p = distribution(logits, params)
+    return int(rng.choice(p.size, p=p))
+
+
+def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The probabilities (float64, summing to 1) that ``sample`` draws from for a non-greedy
+    ``params``: temperature, then the top-k cut, then the top-p cut."""
     z = logits.astype(np.float64) / params.temperature
     if params.top_k and params.top_k < z.size:
         kth = np.partition(z, -params.top_k)[-params.top_k]
@@ -59,4 +67,4 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         mask = np.zeros_like(p)
         mask[keep] = p[keep]
         p = mask / mask.sum()
-    return int(rng.choice(p.size, p=p))
+    return p

@@ -38,6 +38,7 @@ from infeng_common.errors import InfengError
 from .adapters import AdapterPool
 from .kv_cache import BlockAllocator, block_hashes
 from .sampling import SamplingParams, sample
+from .structured import advance, apply_masks
 
 NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this sequence"
 #: The logprob reported for a token of probability 0 (OpenAI's value; -inf is not JSON).
@@ -81,6 +82,7 @@ class Request:
     logprobs: int | None = None             # None: none; k: the sampled token's and the top k
     sink: Callable[[list["SeqOutput"]], None] | None = None   # called on the engine thread
     context: object = None                  # whatever the consumer wants back with each output
+    grammar: object = None                  # structured.Constraint: one matcher per choice, or None
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -382,6 +384,9 @@ class Scheduler:
                     kv.register(seq.seq_id, seq.hashes, n_full)
         outs: list[SeqOutput] = []
         sampled = plan.sampled
+        constrained = [(r, s) for r, s in enumerate(sampled) if s.request.grammar is not None]
+        if constrained:                        # structured outputs: disallowed tokens masked (structured.py)
+            apply_masks(logits, constrained)
         greedy_rows = [r for r, s in enumerate(sampled) if s.greedy]
         if len(greedy_rows) == len(sampled):
             greedy_tokens = logits.argmax(axis=1).tolist()
@@ -405,6 +410,8 @@ class Scheduler:
                 outs.append(self._finish(seq, "error", NON_FINITE))
                 continue
             outs.append(self._emit(seq, token, logits[r]))
+        if constrained:                        # matchers take the tokens; the next masks fill during forward
+            advance(outs)
         return outs
 
     def _emit(self, seq: Sequence, token: int, row: np.ndarray) -> SeqOutput:

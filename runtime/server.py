@@ -41,13 +41,14 @@ import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infeng_common.errors import InfengError
 
 from .api_errors import APIError
-from .chat import SPECIAL_TOKEN_KEYS, TEMPLATE_GLOBALS, ChatTemplateError, message_text, render_chat
+from .chat import (SPECIAL_TOKEN_KEYS, TEMPLATE_GLOBALS, ChatTemplateError, message_text, render_chat,
+                   template_source)
 from .detokenize import ChoiceText, Delta, TokenTexts
 from .http_guard import AccessGuard, AccessPolicy, AdapterRoots, is_loopback_address
 from .json_body import parse_json
@@ -57,6 +58,10 @@ from .request_log import (LOG_FORMATS, LOG_LEVELS, LOGGER, InFlight, RequestLog,
                           record_of)
 from .sampling import SEED_BOUND, SamplingParams
 from .scheduler import QueueFull, Request, RequestError, SeqOutput
+from .speculative import SpeculativeConfig
+from .structured import GrammarCompiler, GrammarError, GrammarSpec, tool_call_grammar
+from .tools import (ToolCall, ToolStream, arguments_object, hermes_messages, parse_forced, parse_tool_calls,
+                    template_knows_tools)
 
 __all__ = ["APIError", "ServeOptions", "Server", "build_server", "serve"]
 
@@ -100,6 +105,14 @@ class _Body(BaseModel):
     top_k: int = Field(0, ge=0)
     ignore_eos: bool = False
     priority: int = Field(0, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)
+    speculative: Optional[StrictBool] = None       # per request: false never drafts (needs --speculative)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 class CompletionBody(_Body):
@@ -125,6 +138,43 @@ class ChatBody(_Body):
     add_generation_prompt: bool = True
     chat_template: Optional[str] = None            # a client's template: only with --trust-request-chat-template
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's /tokenize: a ``prompt``, or chat ``messages`` rendered with the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    tools: Optional[list[dict[str, Any]]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+#: Fields of OpenAI's API this server does not implement: a request that sets one gets 400 naming
+#: it, rather than an answer that silently ignores it.
+UNSUPPORTED_FIELDS = ("functions", "function_call", "audio", "prediction", "web_search_options", "store",
+                      "modalities")
+#: vLLM's ``structured_outputs`` keys: the constraints, and options that change nothing here.
+STRUCTURED_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "backend",
+                      "whitespace_pattern")
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 class AdapterBody(BaseModel):
@@ -269,8 +319,9 @@ class Server:
         self.options = options or ServeOptions()
         self.model_name = model_name
         self.created = int(time.time())
-        self.metrics = ServerMetrics(loop)
+        self.metrics = ServerMetrics(loop, model_name)
         self.token_texts = TokenTexts(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, loop.engine.vocab_size)
         self.adapter_roots = AdapterRoots(self.options.adapter_roots)
         longest_token = max((len(t) for t in self.tokenizer.hf.get_vocab()), default=1)
         self.max_prompt_chars = max(CHARS_PER_TOKEN, longest_token) * loop.scheduler.max_context
@@ -348,6 +399,18 @@ class Server:
         @app.delete("/v1/adapters/{name}")
         async def unload_adapter(name: str):
             return await self.unload_adapter(name)
+
+        @app.post("/tokenize")
+        async def tokenize(request: HTTPRequest):
+            return await self.tokenize(request)
+
+        @app.post("/detokenize")
+        async def detokenize(request: HTTPRequest):
+            return await self.detokenize(request)
+
+        @app.get("/version")
+        async def version():
+            return {"version": _version()}
 
         @app.get("/health")
         async def health():
@@ -456,7 +519,7 @@ class Server:
         try:
             return SamplingParams(max_new_tokens=default_max if max_tokens is None else max_tokens,
                                   temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                                  stop=tuple(stop), ignore_eos=body.ignore_eos)
+                                  stop=tuple(stop), ignore_eos=body.ignore_eos, speculative=body.speculative)
         except InfengError as e:
             raise APIError(400, str(e)) from None
 
@@ -473,6 +536,73 @@ class Server:
             raise APIError(400, f"the prompt has {chars} characters; this model's context is {context} tokens, "
                                 f"which no prompt longer than {self.max_prompt_chars} characters fits in",
                            param=param, code="context_length_exceeded")
+
+    @staticmethod
+    def _check_unsupported(body: BaseModel) -> None:
+        """400 naming a field of OpenAI's API that this server does not implement."""
+        extra = body.model_extra or {}
+        for name in UNSUPPORTED_FIELDS:
+            value = extra.get(name)
+            if value is None or (name == "store" and value is False) or (name == "modalities" and value == ["text"]):
+                continue
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+
+    @staticmethod
+    def _grammar_spec(body: _Body) -> GrammarSpec | None:
+        """The request's constraint: ``response_format``, ``structured_outputs`` or ``guided_*``
+        (at most one of them)."""
+        specs: list[GrammarSpec] = []
+        rf = body.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                specs.append(GrammarSpec("json_object", None, "response_format"))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict):
+                    raise APIError(400, "response_format.json_schema must be an object with a schema",
+                                   param="response_format.json_schema")
+                schema = js.get("schema", js.get("json_schema", {}))
+                specs.append(GrammarSpec("json", schema if schema is not None else {}, "response_format.json_schema"))
+            elif kind not in ("text", None):
+                raise APIError(400, f"response_format type {kind!r} is not supported (text, json_object, "
+                                    f"json_schema)", param="response_format.type")
+        so = body.structured_outputs
+        if so is not None:
+            for key, value in so.items():
+                if key in STRUCTURED_OPTIONS:
+                    continue
+                if key not in STRUCTURED_KINDS:
+                    raise APIError(400, f"structured_outputs.{key} is not supported (json, regex, choice, grammar, "
+                                        f"json_object)", param=f"structured_outputs.{key}")
+                if value is None or (key == "json_object" and value is False):
+                    continue
+                specs.append(GrammarSpec(STRUCTURED_KINDS[key], None if key == "json_object" else value,
+                                         f"structured_outputs.{key}"))
+        for key, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(body, key)
+            if value is not None:
+                specs.append(GrammarSpec(kind, value, key))
+        for i, spec in enumerate(specs):
+            if spec.kind == "json" and isinstance(spec.value, str):   # a schema sent as JSON text
+                try:
+                    specs[i] = GrammarSpec("json", json.loads(spec.value), spec.param)
+                except ValueError:
+                    raise APIError(400, f"{spec.param}: the schema is not valid JSON", param=spec.param) from None
+        if len(specs) > 1:
+            raise APIError(400, f"give one output constraint, not {specs[0].param} and {specs[1].param}",
+                           param=specs[1].param)
+        return specs[0] if specs else None
+
+    async def _constraints(self, spec: GrammarSpec | None, n: int, prompts: int) -> list | None:
+        """One ``Constraint`` (n matchers) per prompt, built on the text threads; 400 for a bad one."""
+        if spec is None:
+            return None
+        try:
+            return [await self._text_work(self.grammars.constraint, spec, n) for _ in range(prompts)]
+        except GrammarError as e:
+            raise APIError(400, str(e), param=e.param) from None
 
     async def _text_work(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the text thread pool, within ``TEXT_WORK_SECONDS`` from when it starts
@@ -506,14 +636,14 @@ class Server:
                            code="prompt_too_expensive") from None
 
     def _submit(self, prompts: list[list[int]], params: list[SamplingParams], n: int, adapter: str | None,
-                priority: int, logprobs: int | None, prefix: str) -> _Pending:
+                priority: int, logprobs: int | None, prefix: str, grammars: list | None = None) -> _Pending:
         self._admitting()
         pending = _Pending(asyncio.Queue(), time.monotonic())
         requests = []
         for p_index, (ids, p) in enumerate(zip(prompts, params)):
             rid = f"{prefix}-{p_index}"
             req = Request(rid, ids, p, n=n, adapter=adapter, priority=priority, logprobs=logprobs, sink=self.sink,
-                          context=pending.queue)
+                          context=pending.queue, grammar=grammars[p_index] if grammars else None)
             try:
                 self.loop.scheduler.check(req)
             except RequestError as e:
@@ -658,17 +788,21 @@ class Server:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of must equal n", param="best_of")
+        self._check_unsupported(body)
         params = self._params(body, body.max_tokens, 16)
+        spec = self._grammar_spec(body)
         prompts = await self._completion_prompts(body.prompt, body.n)
+        grammars = await self._constraints(spec, body.n, len(prompts))
         rid = f"cmpl-{record.request_id}"
-        pending = self._submit(prompts, [params] * len(prompts), body.n, adapter, body.priority, body.logprobs, rid)
+        pending = self._submit(prompts, [params] * len(prompts), body.n, adapter, body.priority, body.logprobs, rid,
+                               grammars)
         stops = params.stop
         texts = [ChoiceText(self.tokenizer, prompts[c // body.n], stops, body.logprobs is not None)
                  for c in range(len(prompts) * body.n)]
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            include_usage = self.options.always_include_usage or bool((body.stream_options or {}).get("include_usage"))
 
             async def sse():
                 errors_sent: set[str] = set()
@@ -743,37 +877,38 @@ class Server:
         record.model = body.model
         adapter = record.adapter = self._adapter_of(body.model)
         self._check_sequences(body.n)
-        kwargs = dict(body.chat_template_kwargs or {})
-        template = body.chat_template if body.chat_template is not None else kwargs.pop("template", None)
-        if template is not None:
-            param = "chat_template" if body.chat_template is not None else "chat_template_kwargs.template"
-            if not self.options.trust_request_chat_template:
-                raise APIError(400, "this server does not run chat templates sent by clients (start it with "
-                                    "--trust-request-chat-template to allow them)", param=param)
-            if not isinstance(template, str):
-                raise APIError(400, "a chat template must be a string", param=param)
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}: the server renders those "
-                                f"itself", param="chat_template_kwargs")
+        self._check_unsupported(body)
+        template, kwargs = self._template_args(body.chat_template, body.chat_template_kwargs)
+        tools, mode, named = self._tool_choice(body)
+        spec = self._grammar_spec(body)
+        if mode in ("required", "named"):
+            if spec is not None:
+                raise APIError(400, f"tool_choice {mode!r} and {spec.param} both constrain the output; give one",
+                               param="tool_choice")
+            spec = tool_call_grammar(tools, named)
         messages = [self._message(m, i) for i, m in enumerate(body.messages)]
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            ids = await self._text_work(self._render, messages, body.add_generation_prompt, template, kwargs)
+            ids = await self._text_work(self._render, messages, body.add_generation_prompt, template, kwargs,
+                                        tools if mode != "none" else None)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         kv = self.loop.scheduler.kv
         room = max(1, min(self.loop.scheduler.max_context, kv.n_blocks * kv.block_size) - len(ids))
         params = self._params(body, max_tokens, room)
+        grammars = await self._constraints(spec, body.n, 1)
         k = (body.top_logprobs or 0) if body.logprobs else None
         rid = f"chatcmpl-{record.request_id}"
-        pending = self._submit([ids], [params], body.n, adapter, body.priority, k, rid)
+        pending = self._submit([ids], [params], body.n, adapter, body.priority, k, rid, grammars)
         texts = [ChoiceText(self.tokenizer, ids, params.stop, body.logprobs) for _ in range(body.n)]
         base = {"id": rid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
                 "created": int(time.time()), "model": body.model}
+        single_call = body.parallel_tool_calls is False
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            include_usage = self.options.always_include_usage or bool((body.stream_options or {}).get("include_usage"))
+            streams = [ToolStream(named, forced=mode == "required") if mode != "none" else None
+                       for _ in range(body.n)]
 
             async def sse():
                 errors_sent: set[str] = set()
@@ -789,12 +924,26 @@ class Server:
                                 yield event
                             continue
                         lp = {"content": self._chat_logprobs(delta.logprobs)} if body.logprobs else None
-                        if delta.text or delta.logprobs:
-                            yield _sse({**base, "choices": [{"index": c, "delta": {"content": delta.text},
-                                                             "logprobs": lp, "finish_reason": None}]})
+                        stream = streams[c]
+                        if stream is None:
+                            deltas = [{"content": delta.text}] if delta.text else []
+                        else:
+                            events = stream.push(delta.text) if delta.text else []
+                            if delta.finish_reason:
+                                events += stream.finish()
+                            deltas = _tool_deltas(stream, events, single_call)
+                        if lp is not None and delta.logprobs and not deltas:
+                            deltas = [{}]
+                        for d in deltas:
+                            yield _sse({**base, "choices": [{"index": c, "delta": d, "logprobs": lp,
+                                                             "finish_reason": None}]})
+                            lp = None
                         if delta.finish_reason:
+                            reason = self._finish_reason(texts[c])
+                            if stream is not None and stream.calls and reason == "stop" and mode != "named":
+                                reason = "tool_calls"
                             yield _sse({**base, "choices": [{"index": c, "delta": {}, "logprobs": None,
-                                                             "finish_reason": self._finish_reason(texts[c])}]})
+                                                             "finish_reason": reason}]})
                 if include_usage:
                     yield _sse({**base, "choices": [], "usage": self._usage(pending, texts)})
                 yield "data: [DONE]\n\n"
@@ -806,29 +955,120 @@ class Server:
         if not all(t.done for t in texts):
             return Response(status_code=499)
         self._check_errors(texts, record)
-        choices = [{"index": c, "message": {"role": "assistant", "content": t.text},
-                    "logprobs": {"content": self._chat_logprobs(t.entries)} if body.logprobs else None,
-                    "finish_reason": self._finish_reason(t)} for c, t in enumerate(texts)]
+        choices = []
+        for c, t in enumerate(texts):
+            message, reason = self._assistant_message(t, mode, named, single_call)
+            choices.append({"index": c, "message": message,
+                            "logprobs": {"content": self._chat_logprobs(t.entries)} if body.logprobs else None,
+                            "finish_reason": reason})
         return {**base, "choices": choices, "usage": self._usage(pending, texts)}
 
+    def _template_args(self, chat_template: str | None, template_kwargs: dict[str, Any] | None
+                       ) -> tuple[str | None, dict[str, Any]]:
+        """A request's chat template (only with --trust-request-chat-template) and extra variables."""
+        kwargs = dict(template_kwargs or {})
+        template = chat_template if chat_template is not None else kwargs.pop("template", None)
+        if template is not None:
+            param = "chat_template" if chat_template is not None else "chat_template_kwargs.template"
+            if not self.options.trust_request_chat_template:
+                raise APIError(400, "this server does not run chat templates sent by clients (start it with "
+                                    "--trust-request-chat-template to allow them)", param=param)
+            if not isinstance(template, str):
+                raise APIError(400, "a chat template must be a string", param=param)
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}: the server renders those "
+                                f"itself", param="chat_template_kwargs")
+        return template, kwargs
+
     @staticmethod
-    def _message(message: ChatMessage, index: int) -> dict[str, Any]:
+    def _tool_choice(body: ChatBody) -> tuple[list[dict[str, Any]] | None, str, str | None]:
+        """(tools, mode, name): mode is none, auto, required or named (name: the function)."""
+        tools = body.tools or None
+        for i, tool in enumerate(tools or ()):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+                raise APIError(400, "only function tools are supported: {\"type\": \"function\", \"function\": "
+                                    "{\"name\": ..., \"parameters\": ...}}", param=f"tools.{i}")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise APIError(400, "a function needs a name", param=f"tools.{i}.function.name")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise APIError(400, "a function's parameters must be a JSON schema object",
+                               param=f"tools.{i}.function.parameters")
+        choice, named = body.tool_choice, None
+        if choice is None:
+            mode = "auto" if tools else "none"
+        elif isinstance(choice, str):
+            if choice not in TOOL_CHOICES:
+                raise APIError(400, f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a named function",
+                               param="tool_choice")
+            mode = choice
+        else:
+            fn = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise APIError(400, "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                               param="tool_choice")
+            mode, named = "named", fn["name"]
+        if mode != "none" and not tools:
+            raise APIError(400, f"tool_choice {choice if isinstance(choice, str) else 'named'!r} needs tools",
+                           param="tool_choice")
+        if named is not None and named not in {t["function"]["name"] for t in tools}:
+            raise APIError(400, f"tool_choice names {named!r}, which is not among the tools", param="tool_choice")
+        return tools, mode, named
+
+    def _assistant_message(self, text: ChoiceText, mode: str, named: str | None,
+                           single_call: bool) -> tuple[dict[str, Any], str]:
+        """The non-streamed ``message`` of a choice and its finish reason, tool calls parsed."""
+        reason = self._finish_reason(text)
+        if mode == "none":
+            return {"role": "assistant", "content": text.text}, reason
+        if mode == "auto":
+            content, calls = parse_tool_calls(text.text)
+        else:
+            content, calls = None, parse_forced(text.text, named)
+        calls = calls[:1] if single_call else calls
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+            if reason == "stop" and mode != "named":
+                reason = "tool_calls"
+        return message, reason
+
+    def _message(self, message: ChatMessage, index: int) -> dict[str, Any]:
         """A message as the template sees it: content parts joined, ``content: null`` (an
         assistant turn that only calls tools) as empty text."""
         if isinstance(message.content, list):
             for part in message.content:
-                if part.get("type", "text") == "text" and not isinstance(part.get("text", ""), str):
+                kind = part.get("type", "text")
+                if kind != "text":
+                    raise APIError(400, f"{kind!r} content parts are not supported (text only)",
+                                   param=f"messages.{index}.content")
+                if not isinstance(part.get("text", ""), str):
                     raise APIError(400, "a text content part's text must be a string",
                                    param=f"messages.{index}.content")
         out = message.model_dump(exclude_none=True)
         out["content"] = message_text(message.content) if message.content is not None else ""
+        calls = out.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                      for c in calls):
+                raise APIError(400, "tool_calls must be a list of {\"id\", \"type\": \"function\", \"function\": "
+                                    "{\"name\", \"arguments\"}}", param=f"messages.{index}.tool_calls")
         return out
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, template: str | None,
-                kwargs: dict[str, Any]) -> list[int]:
+                kwargs: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The prompt's token ids (on a text worker thread)."""
         try:
-            text = render_chat(self.tokenizer, messages, add_generation_prompt, template=template, **kwargs)
+            if template_knows_tools(template_source(self.tokenizer, template)):
+                messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": arguments_object(
+                    c["function"].get("arguments"))}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
+                    for m in messages]
+                text = render_chat(self.tokenizer, messages, add_generation_prompt, template=template, tools=tools,
+                                   **kwargs)
+            else:
+                text = render_chat(self.tokenizer, hermes_messages(messages, tools), add_generation_prompt,
+                                   template=template, **kwargs)
         except ChatTemplateError:
             raise
         except Exception as e:                      # a template that trips over these messages' values
@@ -840,6 +1080,47 @@ class Server:
         return [{"token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()),
                  "top_logprobs": [{"token": tt(t), "logprob": lp, "bytes": list(tt(t).encode())}
                                   for t, lp in (e.top or [])]} for e in entries]
+
+    # -- /tokenize, /detokenize ----------------------------------------------------------------
+    async def tokenize(self, http: HTTPRequest):
+        """vLLM's /tokenize: the ids the engine would get for a prompt or for chat messages."""
+        self._admitting()
+        body: TokenizeBody = _parse(TokenizeBody, await http.body())
+        if body.model is not None:
+            self._adapter_of(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            template, kwargs = self._template_args(None, body.chat_template_kwargs)
+            messages = [self._message(m, i) for i, m in enumerate(body.messages)]
+            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+            try:
+                ids = await self._text_work(self._render, messages, body.add_generation_prompt, template, kwargs,
+                                            body.tools)
+            except ChatTemplateError as e:
+                raise APIError(400, str(e), param="messages") from None
+        else:
+            self._check_chars(len(body.prompt), "prompt")
+            ids = (await self._text_work(self.tokenizer.encode_batch, [body.prompt],
+                                         None if body.add_special_tokens else False))[0]
+        out = {"count": len(ids), "max_model_len": self.loop.scheduler.max_context, "tokens": ids,
+               "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = [self.tokenizer.hf.id_to_token(t) for t in ids]
+        return out
+
+    async def detokenize(self, http: HTTPRequest):
+        """vLLM's /detokenize: the text of token ids."""
+        self._admitting()
+        body: DetokenizeBody = _parse(DetokenizeBody, await http.body())
+        if body.model is not None:
+            self._adapter_of(body.model)
+        vocab = self.engine.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        if len(body.tokens) > self.loop.scheduler.max_context * 16:
+            raise APIError(400, "too many tokens", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     # -- adapters -----------------------------------------------------------------------------
     async def load_adapter(self, http: HTTPRequest):
@@ -902,6 +1183,35 @@ class _CountRequests:
             self.metrics.requests.labels(_endpoint(scope["path"]), str(status[0])).inc()
 
 
+def _tool_deltas(stream: ToolStream, events: list[tuple[str, Any]], single_call: bool) -> list[dict[str, Any]]:
+    """Chat ``delta`` objects for a choice's tool-stream events, as OpenAI streams them: content
+    text, a call's id, name and arguments, then (for a named function) more arguments."""
+    deltas: list[dict[str, Any]] = []
+    for kind, value in events:
+        if kind == "content":
+            if value:
+                deltas.append({"content": value})
+            continue
+        index = 0 if kind == "arguments" else next(i for i, c in enumerate(stream.calls) if c is value)
+        if single_call and index > 0:
+            continue
+        if kind == "arguments":
+            deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": value}}]})
+        else:
+            call: ToolCall = value                  # a named call's arguments follow in pieces
+            deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": {
+                "name": call.name, "arguments": "" if kind == "call_start" else call.arguments}}]})
+    return deltas
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("infeng")
+    except Exception:                              # not installed as a distribution
+        return "0+unknown"
+
+
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -934,6 +1244,8 @@ class ServeOptions:
     trust_request_chat_template: bool = False
     max_request_bytes: int = 4 * 2 ** 20
     shutdown_timeout: float = 30.0
+    speculative: SpeculativeConfig | None = None   # drafting for every request that does not say false
+    always_include_usage: bool = False             # vLLM's --enable-force-include-usage
 
     def check(self) -> None:
         """Raise InfengError (one line, naming the flag) for a value out of range."""
@@ -968,7 +1280,7 @@ def build_server(artifact: str | Path, options: ServeOptions) -> Server:
     if engine.tokenizer is None:
         raise InfengError(f"{artifact}: the artifact has no tokenizer.json; it cannot be served")
     loop = EngineLoop(engine, max_batched_tokens=options.max_batched_tokens, max_waiting=options.max_waiting,
-                      prefix_cache=options.prefix_cache)
+                      prefix_cache=options.prefix_cache, speculative=options.speculative)
     for name, path in options.adapters.items():
         loop.load_adapter(name, path).result()
     return Server(loop, options.served_model_name or engine.manifest.get("name") or Path(artifact).name, options)

@@ -1,0 +1,469 @@
+"""Speculative decoding: drafters, the acceptance rule and the draft length (docs/speculative.md).
+
+A decoding sequence that speculates runs, in one step of the target model, its last token plus
+``k`` drafted tokens at the positions after it; the target's logits at those ``k + 1`` rows decide
+how many drafts are accepted, and one more token (the target's own, at the first rejected row or
+after the last draft) is always produced. The KV positions of rejected drafts are simply written
+again by later steps (``Scheduler`` only counts accepted positions as computed).
+
+- ``NgramDrafter``: prompt lookup (the most recent earlier occurrence of the sequence's last n
+  tokens, n = 3, 2, 1, in its prompt and output; what follows it is the draft), falling back to an
+  n-gram table shared by all requests (llama.cpp's ``ngram-mod``). No second model.
+- ``DraftModelDrafter``: a second compiled artifact with the same vocabulary (e.g. the int4 build
+  of the target) drafts greedily, batched over the speculating sequences, with its own KV cache.
+- Acceptance: greedy requests accept a draft while it equals the target's argmax, so the output is
+  the non-speculative one token for token. Sampled requests use the standard rejection rule for a
+  deterministic drafter: accept draft ``d`` with probability ``p(d)``, otherwise sample from ``p``
+  with ``d`` removed; every emitted token is then distributed exactly as ``p`` says.
+- ``CostModel``: the target's step time for T = 1..16 tokens (and a few more), measured at load;
+  the draft length of each sequence is picked from it and the sequence's running acceptance rate,
+  and is 0 (no drafting) where drafting does not pay.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence as Seq
+
+import numpy as np
+
+from infeng_common.errors import InfengError
+
+#: Rate of the running acceptance estimate (per drafted position checked).
+ACCEPT_RATE_STEP = 0.15
+#: Prior acceptance of a drafter before a sequence has shown anything.
+PRIOR_ACCEPT = {"ngram": 0.5, "draft": 0.7}
+#: A draft must raise the expected tokens per second by this factor to be run.
+MIN_GAIN = 1.02
+NGRAM_ORDERS = (3, 2, 1)
+SHARED_ORDER = 3
+SHARED_TABLE_BOUND = 1 << 20
+
+
+class SpeculativeError(InfengError):
+    """The speculative decoding setting cannot be used."""
+
+
+@dataclass
+class SpeculativeConfig:
+    """``method``: "ngram" or "draft" (with ``draft``, an artifact directory); ``max_draft``: the
+    most tokens drafted per sequence and step; ``adaptive``: pick the length from the measured
+    cost curve and acceptance (off: always ``max_draft`` where the drafter has that many)."""
+
+    method: str = "ngram"
+    draft: Path | None = None
+    max_draft: int = 8
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft"):
+            raise SpeculativeError(f"speculative method {self.method!r}: expected ngram or draft:ARTIFACT")
+        if self.method == "draft" and not self.draft:
+            raise SpeculativeError("draft speculation needs an artifact: draft:ARTIFACT")
+        if not 1 <= self.max_draft <= 32:
+            raise SpeculativeError(f"the draft length must be between 1 and 32, got {self.max_draft}")
+
+
+def parse_speculative(text: str | None) -> SpeculativeConfig | None:
+    """``"ngram"``, ``"ngram:K"``, ``"draft:ARTIFACT"``, ``"draft:ARTIFACT:K"`` (K: the most tokens
+    drafted per step; adaptive below it), any of them ending in ``":fixed"`` (no cost model: draft
+    all the drafter has, up to K), ``"off"``/``None`` -> None."""
+    if text is None or text.strip().lower() in ("", "off", "none"):
+        return None
+    text = text.strip()
+    if text.endswith(":fixed"):
+        config = parse_speculative(text[:-len(":fixed")])
+        if config is None:
+            raise SpeculativeError(f"--speculative {text!r}: ':fixed' follows ngram or draft:ARTIFACT")
+        config.adaptive = False
+        return config
+    method, _, rest = text.partition(":")
+    k = None
+    if method == "ngram":
+        if rest:
+            k = rest
+        return SpeculativeConfig("ngram", max_draft=_draft_length(k)) if k else SpeculativeConfig("ngram")
+    if method == "draft":
+        path, sep, tail = rest.rpartition(":")
+        if sep and tail.isdigit():
+            return SpeculativeConfig("draft", Path(path), max_draft=_draft_length(tail))
+        return SpeculativeConfig("draft", Path(rest) if rest else None)
+    raise SpeculativeError(f"--speculative {text!r}: expected ngram[:K], draft:ARTIFACT[:K] or off")
+
+
+def _draft_length(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise SpeculativeError(f"draft length {text!r} is not a number") from None
+
+
+# -- acceptance -------------------------------------------------------------------------------
+def accept_greedy(targets: Seq[int], draft: Seq[int]) -> int:
+    """How many drafts the target's argmax tokens (``len(draft) + 1`` of them) accept."""
+    a = 0
+    for t, d in zip(targets, draft):
+        if t != d:
+            break
+        a += 1
+    return a
+
+
+def accept_sampled(p: np.ndarray, draft_token: int, rng: np.random.Generator) -> int:
+    """The rejection rule for a deterministic draft: ``draft_token`` with probability ``p[d]``,
+    otherwise a token drawn from ``p`` without ``d`` (renormalized). The result is distributed as
+    ``p``: P(d) = p(d), and P(x != d) = (1 - p(d)) * p(x) / (1 - p(d))."""
+    if rng.random() < p[draft_token]:
+        return int(draft_token)
+    rest = p.copy()
+    rest[draft_token] = 0.0
+    total = rest.sum()
+    if not total > 0:           # p(d) = 1 up to rounding: nothing else can be drawn
+        return int(draft_token)
+    return int(rng.choice(rest.size, p=rest / total))
+
+
+# -- per-sequence state -----------------------------------------------------------------------
+class SpecState:
+    """What the speculator keeps for one sequence."""
+
+    __slots__ = ("accept", "index", "indexed", "probe", "drafted", "accepted", "steps", "dm_valid", "dm_pending",
+                 "order")
+
+    def __init__(self, prior: float):
+        self.accept = [prior] * (len(NGRAM_ORDERS) + 2)    # running acceptance by source (see Speculator)
+        self.index: dict[tuple, int] = {}                   # n-gram -> position of the token after it
+        self.indexed = 1                                    # positions [1, indexed) are in ``index``
+        self.probe: tuple[int, int, int] | None = None      # (position, token, source) predicted, not run
+        self.drafted = 0
+        self.accepted = 0
+        self.steps = 0
+        self.dm_valid = 0                                   # draft model: positions with true-token KV
+        self.dm_pending: tuple[int, list[int]] | None = None  # (first position, tokens) drafted there
+        self.order = 0                                      # source of the draft now in flight
+
+    def learn(self, source: int, hits: int, checked: int) -> None:
+        """``checked`` drafted positions of ``source`` were verified, the first ``hits`` accepted."""
+        a = self.accept[source]
+        for i in range(checked):
+            a += ((1.0 if i < hits else 0.0) - a) * ACCEPT_RATE_STEP
+        self.accept[source] = a
+
+
+# -- drafters ---------------------------------------------------------------------------------
+class NgramDrafter:
+    """Prompt lookup over a sequence's own tokens, then the n-gram table shared by all sequences."""
+
+    method = "ngram"
+
+    def __init__(self) -> None:
+        self.shared: dict[tuple, int] = {}
+
+    def _index(self, tokens: list[int], st: SpecState) -> None:
+        index, shared = st.index, self.shared
+        if len(shared) > SHARED_TABLE_BOUND:
+            shared.clear()
+        for j in range(st.indexed, len(tokens)):
+            for n in NGRAM_ORDERS:
+                if j >= n:
+                    key = tuple(tokens[j - n:j])
+                    index[key] = j
+                    if n == SHARED_ORDER:
+                        shared[key] = tokens[j]
+        st.indexed = max(st.indexed, len(tokens))
+
+    def propose(self, tokens: list[int], st: SpecState, k: int) -> tuple[list[int], int]:
+        """Up to ``k`` drafted tokens after ``tokens`` and their source (0: shared table, 1 + i:
+        prompt lookup of order NGRAM_ORDERS[i])."""
+        self._index(tokens, st)
+        L = len(tokens)
+        index = st.index
+        for i, n in enumerate(NGRAM_ORDERS):
+            if L > n:
+                j = index.get(tuple(tokens[L - n:]))
+                if j is not None and j < L:
+                    return tokens[j:j + k], 1 + i
+        shared = self.shared
+        draft: list[int] = []
+        key = tuple(tokens[L - SHARED_ORDER:]) if L >= SHARED_ORDER else None
+        while key is not None and len(draft) < k:
+            t = shared.get(key)
+            if t is None:
+                break
+            draft.append(t)
+            key = key[1:] + (t,)
+        return draft, 0
+
+
+class DraftModelDrafter:
+    """A second Engine drafting greedily for all speculating sequences at once."""
+
+    method = "draft"
+
+    def __init__(self, engine, target_vocab: int):
+        if engine.vocab_size != target_vocab:
+            raise SpeculativeError(f"the draft model's vocabulary has {engine.vocab_size} tokens, the target's "
+                                   f"{target_vocab}: a draft model must share the target's tokenizer")
+        self.engine = engine
+        engine.kv.prefix_cache = False
+
+    def propose_batch(self, items: list[tuple[int, list[int], SpecState, int]]) -> list[list[int]]:
+        """``items``: (seq_id, tokens, state, k). Greedy drafts of length k for each, in ``max k``
+        batched draft steps (the first also catches the draft cache up with the true tokens)."""
+        eng, kv = self.engine, self.engine.kv
+        drafts: list[list[int]] = [[] for _ in items]
+        live = []
+        tokens_run, positions, slots, rows = [], [], [], []
+        for i, (seq_id, tokens, st, k) in enumerate(items):
+            L = len(tokens)
+            valid = st.dm_valid
+            if st.dm_pending is not None:          # drafted tokens the target accepted are true now
+                start, drafted = st.dm_pending
+                for j, t in enumerate(drafted):
+                    if start + j < L - 1 and tokens[start + j] == t:
+                        valid = start + j + 1
+                    else:
+                        break
+                st.dm_pending = None
+            valid = min(valid, L - 1)
+            try:
+                kv.ensure(seq_id, L + k - 1)
+            except InfengError:
+                continue
+            slot = kv.slot_of[seq_id]
+            tokens_run.extend(tokens[valid:L])
+            positions.extend(range(valid, L))
+            slots.extend([slot] * (L - valid))
+            rows.append(len(tokens_run) - 1)
+            st.dm_valid = L
+            live.append(i)
+        if not live:
+            return drafts
+        logits = eng.forward(np.array(tokens_run, dtype=np.int32), np.array(positions, dtype=np.int32),
+                             np.array(slots, dtype=np.int32), np.array(rows, dtype=np.int32))
+        last = logits.argmax(axis=1).tolist()
+        for i, t in zip(live, last):
+            drafts[i].append(t)
+        step = 1
+        while True:
+            active = [i for i in live if items[i][3] > step]
+            if not active:
+                break
+            toks = [drafts[i][-1] for i in active]
+            pos = [len(items[i][1]) + step - 1 for i in active]
+            sl = [kv.slot_of[items[i][0]] for i in active]
+            logits = eng.forward(np.array(toks, dtype=np.int32), np.array(pos, dtype=np.int32),
+                                 np.array(sl, dtype=np.int32), np.arange(len(active), dtype=np.int32))
+            for i, t in zip(active, logits.argmax(axis=1).tolist()):
+                drafts[i].append(t)
+            step += 1
+        for i in live:
+            seq_id, tokens, st, k = items[i]
+            st.dm_pending = (len(tokens), drafts[i][:-1])     # KV written for all but the last draft
+        return drafts
+
+    def release(self, seq_id: int) -> None:
+        self.engine.kv.free(seq_id)
+
+
+# -- cost ----------------------------------------------------------------------------------------
+MEASURED_T = tuple(range(1, 17)) + (24, 32, 48, 64)
+
+
+class CostModel:
+    """Seconds of one forward step as a function of its token rows (all of them with logits),
+    linear between and beyond the measured points."""
+
+    def __init__(self, seconds: dict[int, float]):
+        ts = sorted(seconds)
+        self.ts = np.array(ts, dtype=np.float64)
+        self.cost = np.maximum.accumulate(np.array([seconds[t] for t in ts], dtype=np.float64))
+        self._table = [self(t) for t in range(0, 257)]
+
+    def __call__(self, tokens: float) -> float:
+        ts, cost = self.ts, self.cost
+        if tokens <= ts[-1]:
+            return float(np.interp(tokens, ts, cost))
+        slope = (cost[-1] - cost[-2]) / (ts[-1] - ts[-2]) if len(ts) > 1 else cost[-1] / ts[-1]
+        return float(cost[-1] + slope * (tokens - ts[-1]))
+
+    def at(self, tokens: int) -> float:
+        return self._table[tokens] if tokens < len(self._table) else self(tokens)
+
+    @classmethod
+    def measure(cls, engine, points: Seq[int] = MEASURED_T, repeats: int = 3) -> "CostModel":
+        """Time ``engine``'s forward step for each T in ``points`` (a scratch sequence, logits on
+        every row, best of ``repeats``); the KV blocks it used go back to the pool."""
+        kv = engine.kv
+        points = [t for t in points if t <= min(engine.max_tokens, kv.max_context)]
+        scratch = -1
+        kv.ensure(scratch, max(points))
+        try:
+            slot = kv.slot_of[scratch]
+            seconds = {}
+            for t in points:
+                tokens = np.zeros(t, dtype=np.int32)
+                positions = np.arange(t, dtype=np.int32)
+                slots = np.full(t, slot, dtype=np.int32)
+                rows = np.arange(t, dtype=np.int32)
+                best = math.inf
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    engine.forward(tokens, positions, slots, rows)
+                    best = min(best, time.perf_counter() - t0)
+                seconds[t] = best
+        finally:
+            kv.free(scratch)
+        return cls(seconds)
+
+
+def choose_lengths(cost: CostModel, base_tokens: int, decodes: int, accept: Seq[float], caps: Seq[int],
+                   draft_cost: CostModel | None = None) -> list[int]:
+    """Draft lengths that maximise expected tokens per second of the step: ``decodes`` tokens are
+    produced anyway from ``base_tokens`` rows; a sequence's j-th draft adds ``accept**j`` expected
+    tokens and one row. Drafts are handed out greedily by marginal gain; the best prefix wins."""
+    n = len(caps)
+    k = [0] * n
+    heap = [(-accept[i], i) for i in range(n) if caps[i] > 0 and accept[i] > 0]
+    heapq.heapify(heap)
+    expected, rows = float(decodes), base_tokens
+    rounds = [0] * 33                             # draft steps of the draft model: sequences with k > r
+    best_rate = expected / cost.at(rows)
+    best: list[int] | None = None
+    added: list[int] = []
+    while heap:
+        gain, i = heapq.heappop(heap)
+        expected -= gain
+        rows += 1
+        rounds[k[i]] += 1
+        k[i] += 1
+        added.append(i)
+        seconds = cost.at(rows)
+        if draft_cost is not None:
+            seconds += sum(draft_cost.at(c) for c in rounds if c)
+        rate = expected / seconds
+        if rate > best_rate * MIN_GAIN:
+            best_rate, best = rate, list(k)
+        if k[i] < caps[i]:
+            heapq.heappush(heap, (gain * accept[i], i))
+    return best if best is not None else [0] * n
+
+
+# -- the speculator ----------------------------------------------------------------------------
+@dataclass
+class SpecStats:
+    drafts: int = 0                 # sequences x steps that ran drafted tokens
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0         # tokens produced by verification steps (accepted + 1 each)
+
+
+class Speculator:
+    """Drafter, cost curves and acceptance bookkeeping of one engine loop."""
+
+    def __init__(self, config: SpeculativeConfig, engine, draft_engine=None):
+        self.config = config
+        if config.method == "draft":
+            if draft_engine is None:
+                from .engine import Engine
+
+                draft_engine = Engine(config.draft, threads=engine.threads, max_seqs=engine.kv.max_seqs,
+                                      max_context=engine.max_context)
+            self.drafter = DraftModelDrafter(draft_engine, engine.vocab_size)
+        else:
+            self.drafter = NgramDrafter()
+        self.prior = PRIOR_ACCEPT[config.method]
+        self.cost: CostModel | None = None
+        self.draft_cost: CostModel | None = None
+        if config.adaptive:
+            self.cost = CostModel.measure(engine)
+            if config.method == "draft":
+                self.draft_cost = CostModel.measure(self.drafter.engine, points=(1, 2, 4, 8, 16))
+        self.stats = SpecStats()
+        self.step_no = 0
+
+    def state(self) -> SpecState:
+        return SpecState(self.prior)
+
+    def propose(self, seqs: list, caps: list[int], base_tokens: int, decodes: int) -> list[list[int]]:
+        """Drafts for the decoding sequences ``seqs`` (each with a ``spec`` state), at most
+        ``caps[i]`` tokens each, for a step that already runs ``base_tokens`` rows."""
+        self.step_no += 1
+        max_draft = self.config.max_draft
+        if self.drafter.method == "ngram":
+            proposals, sources = [], []
+            for seq, cap in zip(seqs, caps):
+                st = seq.spec
+                tokens = seq.tokens
+                probe = st.probe
+                if probe is not None:
+                    pos, tok, src = probe
+                    if pos < len(tokens):
+                        st.learn(src, int(tokens[pos] == tok), 1)
+                    st.probe = None
+                if cap <= 0:
+                    proposals.append([])
+                    sources.append(0)
+                    continue
+                draft, source = self.drafter.propose(tokens, st, min(cap, max_draft))
+                proposals.append(draft)
+                sources.append(source)
+            if self.cost is None:
+                lengths = [len(d) for d in proposals]
+            else:
+                accept = [seq.spec.accept[s] if d else 0.0 for seq, d, s in zip(seqs, proposals, sources)]
+                lengths = choose_lengths(self.cost, base_tokens, decodes, accept, [len(d) for d in proposals])
+            out = []
+            for seq, draft, source, k in zip(seqs, proposals, sources, lengths):
+                st = seq.spec
+                st.order = source
+                if k == 0 and draft:                 # not run: check the first draft for free later
+                    st.probe = (len(seq.tokens), draft[0], source)
+                out.append(draft[:k])
+            return out
+        # draft model: lengths first (drafting costs), then one batched draft
+        source = len(NGRAM_ORDERS) + 1
+        if self.cost is None:
+            lengths = [min(c, max_draft) for c in caps]
+        else:
+            accept = [seq.spec.accept[source] for seq in seqs]
+            capped = [min(c, max_draft) for c in caps]
+            lengths = choose_lengths(self.cost, base_tokens, decodes, accept, capped, self.draft_cost)
+            if not any(lengths) and self.step_no % 16 == 0:   # probe now and then: acceptance may have risen
+                lengths = [min(1, c) for c in capped]
+        items = [(seq.seq_id, seq.tokens, seq.spec, k) for seq, k in zip(seqs, lengths) if k > 0]
+        if not items:
+            return [[] for _ in seqs]
+        drafted = iter(self.drafter.propose_batch(items))
+        out = []
+        for seq, k in zip(seqs, lengths):
+            seq.spec.order = source
+            out.append(next(drafted)[:k] if k > 0 else [])
+        return out
+
+    def verified(self, seq, drafted: int, accepted: int) -> None:
+        """A verification step of ``seq`` ran ``drafted`` drafts and accepted ``accepted``."""
+        st = seq.spec
+        st.learn(st.order, accepted, min(accepted + 1, drafted))
+        st.drafted += drafted
+        st.accepted += accepted
+        st.steps += 1
+        s = self.stats
+        s.drafts += 1
+        s.draft_tokens += drafted
+        s.accepted_tokens += accepted
+        s.emitted_tokens += accepted + 1
+
+    def release(self, seq) -> None:
+        """``seq`` stopped running (finished or preempted): its draft KV goes."""
+        if self.drafter.method == "draft":
+            self.drafter.release(seq.seq_id)
+            seq.spec.dm_valid = 0
+            seq.spec.dm_pending = None
+
+    def close(self) -> None:
+        if self.drafter.method == "draft":
+            self.drafter.engine.close()

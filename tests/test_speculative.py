@@ -1,0 +1,323 @@
+"""Speculative decoding (runtime/speculative.py and the scheduler's verification path).
+
+- the rejection rule and the whole scheduler path are distribution-exact: chi-square over many
+  seeds on a 6-token Markov "model" whose logits depend on the row's input token only;
+- greedy speculation gives the non-speculative tokens, token for token, on compiled stories260K
+  (scalar kernels: each token row is computed alone, so the comparison is exact) with f32, int4
+  weights and fht-int8 KV, with an adapter in a slot, alone and in a batch of 4, with n-gram drafts
+  and with a draft model (the int4 build drafting for the f32 one);
+- rejected positions never reach the prefix cache, non-finite logits fail their sequence alone,
+  and ``infeng serve --speculative`` serves speculative and plain requests in one batch.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import threading
+
+import httpx
+import numpy as np
+import pytest
+
+from _serving import STORIES, AloneReference, adapters, infeng_command, metric, running_server, served_artifact
+from infeng_runtime.kv_cache import BlockAllocator
+from infeng_runtime.sampling import SamplingParams, distribution
+from infeng_runtime.scheduler import NON_FINITE, Request, Scheduler
+from infeng_runtime.speculative import (CostModel, NgramDrafter, SpecState, SpeculativeConfig, SpeculativeError,
+                                        Speculator, accept_greedy, accept_sampled, choose_lengths, parse_speculative)
+
+V = 6
+
+
+# -- statistics -------------------------------------------------------------------------------
+def chi_square_ok(observed: np.ndarray, expected: np.ndarray, z: float = 3.7) -> tuple[bool, float, float]:
+    """Pearson's chi-square of ``observed`` against ``expected`` counts (cells under 5 expected
+    pooled), against the upper 1e-4 quantile (Wilson-Hilferty) of its degrees of freedom."""
+    observed, expected = observed.ravel().astype(float), expected.ravel().astype(float)
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    stat = float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return stat < crit, stat, crit
+
+
+def test_rejection_rule_is_distribution_exact():
+    p = np.array([0.05, 0.4, 0.25, 0.2, 0.1, 0.0])
+    n = 40_000
+    for draft in (1, 4, 5):                       # likely, unlikely, impossible drafts
+        counts = np.zeros(V)
+        for seed in range(n):
+            counts[accept_sampled(p, draft, np.random.default_rng(seed))] += 1
+        ok, stat, crit = chi_square_ok(counts, p * n)
+        assert ok, f"draft {draft}: chi-square {stat:.1f} over {crit:.1f}"
+    assert accept_sampled(np.eye(V)[2], 2, np.random.default_rng(0)) == 2
+    assert accept_greedy([3, 4, 9], [3, 4]) == 2 and accept_greedy([3, 1, 9], [3, 4]) == 1
+    assert accept_greedy([0], []) == 0
+
+
+# -- the scheduler over a Markov "model" ----------------------------------------------------------
+TRANSITIONS = np.log(np.random.default_rng(7).dirichlet(np.full(V, 0.7), size=V)).astype(np.float32)
+
+
+class FixedDrafter:
+    """Drafts (last + 1, last + 2, last) mod V: sometimes right, sometimes not."""
+
+    method = "ngram"
+
+    def propose(self, tokens, st, k):
+        last = tokens[-1]
+        return [(last + 1) % V, (last + 2) % V, last][:k], 1
+
+
+def markov_scheduler(max_seqs: int = 64, transitions: np.ndarray = TRANSITIONS, speculate: bool = True):
+    kv = BlockAllocator(n_blocks=max_seqs * 4, block_size=4, max_seqs=max_seqs, max_context=16)
+    sched = Scheduler(kv, [], max_batched_tokens=1024, max_waiting=1 << 20)
+    if speculate:
+        spec = Speculator(SpeculativeConfig("ngram", max_draft=3, adaptive=False), engine=None)
+        spec.drafter = FixedDrafter()
+        sched.speculator = spec
+
+    def run(requests):
+        for r in requests:
+            sched.add(r)
+        outs = []
+        while sched.has_work:
+            plan = sched.schedule()
+            logits = transitions[plan.tokens[plan.logits_rows]]
+            outs.extend(sched.update(plan, logits))
+        return outs
+
+    return sched, run
+
+
+def generated(outs) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for o in outs:
+        if o.token is not None:
+            tokens.setdefault(o.request.request_id, []).append(o.token)
+    return tokens
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)])
+def test_sampled_speculation_is_distribution_exact(params):
+    """Three tokens after [0] from 6,000 seeds: the joint distribution of the speculative runs
+    against the chain rule over the sampler's own distribution."""
+    sp = SamplingParams(max_new_tokens=3, **params)
+    sched, run = markov_scheduler()
+    n = 6000
+    outs = run([Request(f"r{i}", [0], SamplingParams(max_new_tokens=3, seed=i, **params)) for i in range(n)])
+    assert sched.speculator.stats.accepted_tokens > 1000 and sched.speculator.stats.draft_tokens > \
+        sched.speculator.stats.accepted_tokens, "both branches of the rule must be exercised"
+    counts = np.zeros((V, V, V))
+    for toks in generated(outs).values():
+        counts[tuple(toks)] += 1
+    step = np.array([distribution(TRANSITIONS[t], sp) for t in range(V)])
+    # P(x1, x2, x3) = p(x1 | 0) p(x2 | x1) p(x3 | x2)
+    expected = n * np.einsum("a,ab,bc->abc", step[0], step, step)
+    ok, stat, crit = chi_square_ok(counts, expected)
+    assert ok, f"chi-square {stat:.1f} over {crit:.1f}"
+
+
+def test_greedy_markov_exact_and_nonfinite_fails_its_sequence_alone():
+    t = np.full((V, V), -5.0, dtype=np.float32)
+    t[1, 4] = t[2, 3] = t[3, 2] = t[0, 1] = t[5, 0] = 0.0
+    t[4] = np.nan                                       # any row whose input is 4
+    _, run = markov_scheduler(transitions=t)
+    outs = run([Request("a", [0], SamplingParams(max_new_tokens=8)),
+                Request("b", [2], SamplingParams(max_new_tokens=8))])
+    got = generated(outs)
+    assert got["b"] == [3, 2, 3, 2, 3, 2, 3, 2]
+    fail = [o for o in outs if o.request.request_id == "a" and o.finish_reason]
+    assert [o.finish_reason for o in fail] == ["error"] and fail[0].error == NON_FINITE
+    assert got["a"] == [1, 4], "tokens before the non-finite row are still emitted"
+
+
+def test_rejected_positions_are_never_published():
+    """Blocks are published only when every position in them was accepted: each published block's
+    hash is the hash of the tokens the sequence really has there."""
+    from infeng_runtime.kv_cache import block_hashes
+
+    sched, run = markov_scheduler(max_seqs=4)
+    outs = run([Request(f"r{i}", [i % V], SamplingParams(max_new_tokens=12, temperature=1.0, seed=i))
+                for i in range(4)])
+    assert sched.speculator.stats.draft_tokens > sched.speculator.stats.accepted_tokens > 0
+    real = {h for rid, toks in generated(outs).items() for h in block_hashes([int(rid[1:]) % V] + toks, 4)}
+    assert sched.kv.cached and set(sched.kv.cached) <= real
+
+
+# -- drafters, lengths, options -----------------------------------------------------------------
+def test_ngram_prompt_lookup_and_shared_table():
+    d = NgramDrafter()
+    st = SpecState(0.5)
+    tokens = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    draft, source = d.propose(tokens, st, 4)
+    assert draft == [8, 9, 1, 2] and source == 1            # the 3-gram 5 6 7 seen before
+    draft, _ = d.propose(tokens + [8, 9], st, 8)            # incremental index; what there is
+    assert draft == [1, 2, 5, 6, 7, 8, 9]
+    other = SpecState(0.5)
+    draft, source = d.propose([40, 41, 7, 8, 9], other, 3)  # not in its own tokens: the shared table
+    assert source == 0 and draft == [1, 2, 5]
+
+
+def test_choose_lengths_follows_cost_and_acceptance():
+    flat = CostModel({1: 1.0, 8: 1.0, 16: 2.0, 64: 8.0})
+    steep = CostModel({1: 1.0, 2: 2.0, 16: 16.0})
+    assert choose_lengths(flat, 1, 1, [0.9], [8]) == [7]     # free rows: draft while it may pay
+    assert choose_lengths(flat, 1, 1, [0.0], [8]) == [0]
+    assert choose_lengths(steep, 1, 1, [0.9], [8]) == [0]    # every row costs a whole step: never
+    assert choose_lengths(flat, 40, 40, [0.9] * 40, [8] * 40) == [0] * 40   # a large batch is compute-bound
+
+
+def test_parse_speculative(tmp_path):
+    assert parse_speculative(None) is None and parse_speculative("off") is None
+    assert parse_speculative("ngram") == SpeculativeConfig("ngram")
+    assert parse_speculative("ngram:4").max_draft == 4
+    c = parse_speculative(f"draft:{tmp_path}:3")
+    assert c.method == "draft" and c.draft == tmp_path and c.max_draft == 3
+    assert parse_speculative(f"draft:{tmp_path}").max_draft == 8
+    assert parse_speculative("ngram:4:fixed") == SpeculativeConfig("ngram", max_draft=4, adaptive=False)
+    assert not parse_speculative(f"draft:{tmp_path}:fixed").adaptive
+    for bad in ("eagle", "draft:", "ngram:x", "ngram:0", "off:fixed"):
+        with pytest.raises(SpeculativeError):
+            parse_speculative(bad)
+
+
+# -- compiled models: greedy exactness -----------------------------------------------------------
+PROMPTS = ["Once upon a time", "The dog", "Lily and Tom went to the park. Lily and Tom", "One day, a little"]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return served_artifact(tmp_path_factory.mktemp("spec-artifact"))
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tmp_path_factory):
+    return adapters(tmp_path_factory.mktemp("spec-adapters"))
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    from infeng_compiler.compile import CompileOptions, compile_model
+
+    root = tmp_path_factory.mktemp("spec-variants")
+    out = {}
+    for name, opts in {"int4": CompileOptions(target="scalar", quant="int4"),
+                       "fht-int8": CompileOptions(target="scalar", kv="fht-int8")}.items():
+        compile_model(STORIES, root / f"{name}.infeng", opts)
+        out[name] = root / f"{name}.infeng"
+    return out
+
+
+def always(method: str = "ngram", **kw) -> SpeculativeConfig:
+    """Draft whatever the drafter finds (no cost model): the tests need drafts to happen."""
+    return SpeculativeConfig(method, adaptive=False, **kw)
+
+
+def run_llm(path, spec, prompts, adapter=None, max_seqs=4, n=48, adapters_=None):
+    from infeng_runtime.llm import LLM
+
+    llm = LLM(path, threads=1, max_seqs=max_seqs, speculative=spec, adapters=adapters_)
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=n), adapter=adapter)
+        return [o.token_ids for o in outs], llm.loop.snapshot()
+    finally:
+        llm.close()
+
+
+def test_greedy_ngram_is_exact_alone_batched_and_with_an_adapter(artifact, adapter_dirs):
+    plain, _ = run_llm(artifact, None, PROMPTS)
+    alone = [run_llm(artifact, always(), [p], max_seqs=1)[0][0] for p in PROMPTS]
+    batched, snap = run_llm(artifact, always(), PROMPTS)
+    assert alone == plain and batched == plain
+    assert snap["spec_accepted_tokens"] > 20 and snap["spec_draft_tokens"] > snap["spec_accepted_tokens"]
+    named = {"a1": adapter_dirs["a1"]}
+    with_adapter, _ = run_llm(artifact, None, PROMPTS, adapter=[None, "a1", "a1", None], adapters_=named)
+    spec_adapter, snap = run_llm(artifact, always(), PROMPTS, adapter=[None, "a1", "a1", None], adapters_=named)
+    assert spec_adapter == with_adapter and with_adapter != plain
+    assert snap["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("variant", ["int4", "fht-int8"])
+def test_greedy_ngram_is_exact_with_int4_weights_and_fht_int8_kv(variants, variant):
+    path = variants[variant]
+    plain, _ = run_llm(path, None, PROMPTS)
+    spec, snap = run_llm(path, always(), PROMPTS)
+    assert spec == plain and snap["spec_accepted_tokens"] > 0
+    assert [run_llm(path, always(), [PROMPTS[2]], max_seqs=1)[0][0]] == plain[2:3]
+
+
+def test_greedy_draft_model_is_exact(artifact, variants):
+    plain, _ = run_llm(artifact, None, PROMPTS)
+    spec, snap = run_llm(artifact, always("draft", draft=variants["int4"], max_draft=4), PROMPTS)
+    assert spec == plain
+    assert snap["spec_accepted_tokens"] > 0.5 * snap["spec_draft_tokens"], "the int4 build agrees most of the time"
+
+
+def test_prefix_cache_after_speculation_gives_the_same_tokens(artifact):
+    """A request that continues a speculated one hits the blocks it published; its tokens are the
+    plain ones (a rejected position in a published block would change them)."""
+    from infeng_runtime.llm import LLM
+
+    llm = LLM(artifact, threads=1, max_seqs=2, speculative=always())
+    try:
+        first = llm.generate([PROMPTS[2]], SamplingParams(max_new_tokens=40))[0]
+        ids = llm.tokenizer.encode(PROMPTS[2]) + first.token_ids
+        second = llm.generate([ids], SamplingParams(max_new_tokens=16))[0]
+        assert second.cached_tokens >= 32
+    finally:
+        llm.close()
+    plain, _ = run_llm(artifact, None, [ids], n=16)
+    assert second.token_ids == plain[0]
+
+
+# -- CLI and server ---------------------------------------------------------------------------------
+def test_run_speculative_prints_the_plain_text(artifact):
+    def run(*extra):
+        out = subprocess.run([*infeng_command(), "run", str(artifact), PROMPTS[2], "-n", "32", "--threads", "1",
+                              "--json", *extra], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    plain, spec = run(), run("--speculative", "ngram")
+    assert spec["text"] == plain["text"] and spec.get("speculative", {}).get("method") == "ngram"
+    bad = subprocess.run([*infeng_command(), "run", str(artifact), "x", "--speculative", "eagle"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "ngram" in bad.stderr
+
+
+def test_server_serves_speculative_and_plain_requests_in_one_batch(artifact, adapter_dirs, tmp_path):
+    ref = AloneReference(artifact, {"a1": adapter_dirs["a1"]})
+    with running_server(artifact, "--speculative", "ngram:fixed", "--adapter", f"a1={adapter_dirs['a1']}",
+                        log=tmp_path / "serve.log") as url:
+        base = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        cases = [(p, m, s) for p in PROMPTS for m in (base, "a1") for s in (None, False, True)]
+        results: dict[int, str] = {}
+
+        def ask(i, prompt, model, speculative):
+            body = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0}
+            if speculative is not None:
+                body["speculative"] = speculative
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            results[i] = r.json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=ask, args=(i, *case)) for i, case in enumerate(cases)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, (prompt, model, _) in enumerate(cases):
+            assert results[i] == ref(prompt, 32, None if model == base else model), cases[i]
+        text = httpx.get(f"{url}/metrics").text
+        assert metric(text, "vllm:spec_decode_num_draft_tokens_total") >= \
+            metric(text, "vllm:spec_decode_num_accepted_tokens_total") > 0
+        assert metric(text, "infeng_spec_decode_accepted_tokens_total") > 0
+        bad = httpx.post(f"{url}/v1/completions", json={"model": base, "prompt": "x",
+                                                         "speculative": "yes please"})
+        assert bad.status_code == 400

@@ -37,8 +37,9 @@ from infeng_common.errors import InfengError
 
 from .adapters import AdapterPool
 from .kv_cache import BlockAllocator, block_hashes
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, distribution, sample
 from .structured import advance, apply_masks
+from .speculative import Speculator, accept_greedy, accept_sampled
 
 NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this sequence"
 #: The logprob reported for a token of probability 0 (OpenAI's value; -inf is not JSON).
@@ -101,12 +102,13 @@ class SeqOutput:
 
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
+NO_DRAFT: list[int] = []                   # shared, never mutated
 
 
 class Sequence:
     __slots__ = ("seq_id", "request", "index", "tokens", "prompt_len", "num_computed", "rng", "status",
                  "generated", "order", "hashes", "namespace", "reported_cached", "cached_tokens", "greedy",
-                 "adapter_slot")
+                 "adapter_slot", "spec", "draft")
 
     def __init__(self, seq_id: int, request: Request, index: int, order: tuple[int, int], namespace: str):
         self.seq_id, self.request, self.index, self.order = seq_id, request, index, order
@@ -123,6 +125,8 @@ class Sequence:
         self.cached_tokens: int | None = None
         self.greedy = request.params.greedy
         self.adapter_slot = -1
+        self.spec = None                       # speculative.SpecState when it may draft
+        self.draft: list[int] = NO_DRAFT       # tokens drafted for the step in flight
 
     @property
     def remaining(self) -> int:
@@ -140,9 +144,10 @@ class StepPlan:
     slots: np.ndarray
     adapter_slots: np.ndarray | None
     logits_rows: np.ndarray
-    sampled: list[Sequence]                 # one per logits row
+    sampled: list[Sequence]                 # one per logits row, in order, before the verify rows
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    verify: list[tuple[Sequence, list[int]]] | tuple = ()   # (seq, draft) speculating: 1 + k rows each
 
 
 @dataclass
@@ -182,6 +187,7 @@ class Scheduler:
         self.failed: list[SeqOutput] = []     # finished while scheduling (adapter failed to load)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        self.speculator: Speculator | None = None   # set by the loop: decodes may draft and verify
 
     # -- admission --------------------------------------------------------------------------
     def check(self, request: Request) -> None:
@@ -191,6 +197,9 @@ class Scheduler:
             raise RequestError("the prompt is empty (and the tokenizer adds no BOS token)", "prompt")
         if request.n < 1:
             raise RequestError(f"n must be >= 1, got {request.n}", "n")
+        if p.speculative and self.speculator is None:
+            raise RequestError("speculative decoding is off on this engine (start it with --speculative)",
+                               "speculative")
         need = len(request.prompt_ids) + max(p.max_new_tokens, 1)
         if need > self.max_context:
             raise RequestError(f"this model's context is {self.max_context} tokens; the request needs "
@@ -217,6 +226,11 @@ class Scheduler:
         arrival = next(self._arrivals)
         seqs = [Sequence(next(self._ids), request, i, (request.priority, arrival), namespace)
                 for i in range(request.n)]
+        # a grammar-constrained request never drafts: its masks follow one token per step
+        if self.speculator is not None and request.params.speculative is not False and \
+                request.grammar is None:
+            for seq in seqs:
+                seq.spec = self.speculator.state()
         self.requests[request.request_id] = seqs
         for seq in seqs:
             self._push_waiting(seq)
@@ -281,7 +295,38 @@ class Scheduler:
             budget = self._admit(chosen, budget)
         if not chosen:
             return None
+        if self.speculator is not None and not preempted and budget > 0:
+            return self._plan(chosen, self._draft(chosen, budget))
         return self._plan(chosen)
+
+    def _draft(self, chosen: list[tuple[Sequence, int]], budget: int) -> bool:
+        """Give the decoding sequences that may speculate their drafts (within the budget left and
+        the KV blocks free: a draft never preempts), and make their entries 1 + k tokens. Whether
+        any sequence got a draft."""
+        kv, limit = self.kv, self.max_context
+        where, seqs, caps = [], [], []
+        for i, (seq, n) in enumerate(chosen):
+            if n == 1 and seq.spec is not None and len(seq.tokens) - seq.num_computed == 1:
+                cap = min(seq.request.params.max_new_tokens - seq.generated - 1, limit - len(seq.tokens))
+                where.append(i)
+                seqs.append(seq)
+                caps.append(cap)
+        if not seqs:
+            return False
+        base = sum(n for _, n in chosen)
+        drafted = False
+        drafts = self.speculator.propose(seqs, caps, base, len(seqs))
+        for i, seq, draft in zip(where, seqs, drafts):
+            k = min(len(draft), budget)
+            while k and kv.blocks_needed(seq.seq_id, seq.num_computed + 1 + k) > kv.num_free:
+                k -= 1
+            if k:
+                kv.ensure(seq.seq_id, seq.num_computed + 1 + k)
+                seq.draft = draft[:k]
+                chosen[i] = (seq, 1 + k)
+                budget -= k
+                drafted = True
+        return drafted
 
     def _admit(self, chosen: list[tuple[Sequence, int]], budget: int) -> int:
         kv = self.kv
@@ -332,13 +377,15 @@ class Scheduler:
         self._push_waiting(seq)
         self.stats.preemptions += 1
 
-    def _plan(self, chosen: list[tuple[Sequence, int]]) -> StepPlan:
+    def _plan(self, chosen: list[tuple[Sequence, int]], drafted: bool = False) -> StepPlan:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         adapters: list[int] = []
         rows: list[int] = []
         sampled: list[Sequence] = []
+        verify: list[tuple[Sequence, list[int]]] | tuple = ()
+        verify_rows: list[int] | tuple = ()
         any_adapter = False
         prefill = 0
         slot_of = self.kv.slot_of
@@ -346,6 +393,17 @@ class Scheduler:
             start = seq.num_computed
             slot = slot_of[seq.seq_id]
             adapter = seq.adapter_slot
+            if drafted and seq.draft:          # the last token and the drafts after it, logits for all
+                first = len(tokens)
+                tokens.append(seq.tokens[start])
+                tokens.extend(seq.draft)
+                positions.extend(range(start, start + n))
+                slots.extend([slot] * n)
+                adapters.extend([adapter] * n)
+                verify_rows = [*verify_rows, *range(first, first + n)]
+                verify = [*verify, (seq, seq.draft)]
+                any_adapter = any_adapter or adapter >= 0
+                continue
             if n == 1:
                 tokens.append(seq.tokens[start])
                 positions.append(start)
@@ -364,14 +422,20 @@ class Scheduler:
         return StepPlan([s for s, _ in chosen], [n for _, n in chosen], np.array(tokens, dtype=np.int32),
                         np.array(positions, dtype=np.int32), np.array(slots, dtype=np.int32),
                         np.array(adapters, dtype=np.int32) if any_adapter else None,
-                        np.array(rows, dtype=np.int32), sampled, prefill, len(tokens) - prefill)
+                        np.array(rows + verify_rows if verify else rows, dtype=np.int32), sampled, prefill,
+                        len(tokens) - prefill, verify)
 
     # -- results ----------------------------------------------------------------------------
     def update(self, plan: StepPlan, logits: np.ndarray) -> list[SeqOutput]:
         """Advance the planned sequences by the step's results; sample where logits were asked for."""
         kv, bs = self.kv, self.kv.block_size
         self.stats.steps += 1
-        for seq, n in zip(plan.seqs, plan.counts):
+        advanced = zip(plan.seqs, plan.counts)
+        verify = plan.verify
+        if verify:                             # their rows come after those of plan.sampled
+            verify_logits, logits = logits, logits[:len(plan.sampled)]
+            advanced = [(seq, n) for seq, n in advanced if not seq.draft]    # _verify advances them
+        for seq, n in advanced:
             if seq.status != RUNNING:
                 continue
             if seq.num_computed < seq.prompt_len:
@@ -410,8 +474,60 @@ class Scheduler:
                 outs.append(self._finish(seq, "error", NON_FINITE))
                 continue
             outs.append(self._emit(seq, token, logits[r]))
+        if verify:
+            outs.extend(self._verify(plan, verify_logits))
         if constrained:                        # matchers take the tokens; the next masks fill during forward
             advance(outs)
+        return outs
+
+    def _verify(self, plan: StepPlan, logits: np.ndarray) -> list[SeqOutput]:
+        """The speculating sequences of ``plan``: accept drafts (greedy: while they are the
+        target's argmax; sampled: the rejection rule), emit them and one token of the target's,
+        count only the accepted positions as computed, publish the blocks they fill."""
+        kv, bs = self.kv, self.kv.block_size
+        outs: list[SeqOutput] = []
+        r = len(plan.sampled)
+        for seq, draft in plan.verify:
+            seq.draft = NO_DRAFT
+            k = len(draft)
+            rows = logits[r:r + k + 1]
+            r += k + 1
+            if seq.status != RUNNING:
+                continue
+            if seq.greedy:
+                targets = rows.argmax(axis=1).tolist()
+                a = accept_greedy(targets, draft)
+                chosen = targets[:a + 1]
+                finite = _finite_at(rows, range(a + 1), chosen)
+            else:
+                params, chosen = seq.request.params, []
+                finite = True
+                for i in range(k + 1):
+                    if not np.isfinite(rows[i]).all():
+                        finite = False
+                        break
+                    p = distribution(rows[i], params)
+                    token = accept_sampled(p, draft[i], seq.rng) if i < k else int(seq.rng.choice(p.size, p=p))
+                    chosen.append(token)
+                    if i == k or token != draft[i]:
+                        break
+                a = len(chosen) - 1
+            if not finite:
+                outs.append(self._finish(seq, "error", NON_FINITE))
+                continue
+            self.speculator.verified(seq, k, a)
+            seq.num_computed += 1              # the last token's position; each accepted draft adds one
+            for i, token in enumerate(chosen):
+                outs.append(self._emit(seq, token, rows[i]))
+                if seq.status != RUNNING:
+                    break
+                if i < a:
+                    seq.num_computed += 1
+            if seq.status == RUNNING:
+                n_full = seq.num_computed // bs
+                if n_full > kv.published_of.get(seq.seq_id, 0):
+                    block_hashes(seq.tokens[:n_full * bs], bs, seq.namespace, seq.hashes)
+                    kv.register(seq.seq_id, seq.hashes, n_full)
         return outs
 
     def _emit(self, seq: Sequence, token: int, row: np.ndarray) -> SeqOutput:
@@ -465,6 +581,9 @@ class Scheduler:
     def _stop_running(self, seq: Sequence) -> None:
         """Give back what a running sequence holds: its KV blocks and slot, its adapter slot."""
         self.kv.free(seq.seq_id)
+        seq.draft = NO_DRAFT
+        if seq.spec is not None:
+            self.speculator.release(seq)
         if seq.adapter_slot >= 0:
             self.adapters.release(seq.seq_id)
             seq.adapter_slot = -1

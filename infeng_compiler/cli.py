@@ -580,6 +580,22 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
     serve(artifact, options)
 
 
+@app.command("export")
+@fails_cleanly
+def export_command(model: Path = typer.Argument(..., help="model dir, .gguf, Hub id, or an artifact (its source model "
+                                                           "at its weight precision)"),
+                   output: Path = typer.Option(..., "-o", "--output", help="the .gguf file to write"),
+                   gguf_type: Optional[str] = typer.Option(None, "--type",
+                                                           help="f32, f16, q8_0 or q4_0 for the matrices (default: "
+                                                                "f32, or the artifact's precision)")):
+    """Write MODEL as a GGUF file that llama.cpp and transformers load (tokenizer and chat template included)."""
+    from .export_gguf import export_gguf
+
+    summary = export_gguf(model, output, gguf_type)
+    err.print(f"wrote {summary['out']} ({summary['architecture']}, {summary['type']}, "
+              f"{summary['bytes'] / 2**20:.1f} MiB, tensors {summary['tensors']}, vocabulary {summary['vocab']})")
+
+
 @app.command("verify")
 @fails_cleanly
 def verify_command(artifact: Path = typer.Argument(..., help="compiled artifact directory")):

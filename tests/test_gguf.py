@@ -197,7 +197,7 @@ def test_smollm2_greedy_matches_transformers(smollm2: Path, smollm2_reference, s
     tokenizer = Tokenizer(model_source(smollm2).tokenizer_dir)
     prompts = [tokenizer.encode("Once upon a time, in a land far away,"),
                tokenizer.encode("The three primary colors are")]
-    n = 32
+    n = 64
     want = []
     with torch.no_grad():
         for p in prompts:
@@ -283,25 +283,27 @@ def test_families_match_transformers(hf_checkpoint, tmp_path: Path, variant: str
     _assert_all_close(batch_logits(Interpreter(graph), PROMPTS, DECODE), _reference(reference), RTOL, variant)
 
 
-def _independent_codes(path: Path, name: str, heads: int) -> tuple[np.ndarray, np.ndarray, str]:
-    """Codes (unsigned, q + zero) and fp16 scales read from the file's blocks in the test, rows
-    put back in Hugging Face order with the converter's own ``permute``."""
+def _independent_codes(path: Path, name: str, heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Codes (unsigned, q + zero), fp16 scales and (Q4_1) fp16 minimums read from the file's blocks
+    in the test, rows put back in Hugging Face order with the converter's own ``permute``."""
     t = _gguf_tensor(path, name)
-    rows = t.data.shape[0]
-    blocks = np.asarray(t.data).reshape(rows, -1, 34 if t.tensor_type.name == "Q8_0" else 18)
+    rows, kind = t.data.shape[0], t.tensor_type.name
+    blocks = np.asarray(t.data).reshape(rows, -1, {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind])
     scales = blocks[..., :2].copy().view(np.float16)[..., 0]
-    if t.tensor_type.name == "Q8_0":
+    mins = blocks[..., 2:4].copy().view(np.float16)[..., 0] if kind == "Q4_1" else None
+    if kind == "Q8_0":
         codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(rows, -1)
     else:
-        nib = blocks[..., 2:]
+        nib = blocks[..., 4 if kind == "Q4_1" else 2:]
         codes = np.concatenate([nib & 15, nib >> 4], axis=-1).reshape(rows, -1)
     order = permute(np.arange(rows), heads, None).argsort() if heads else np.arange(rows)
-    return codes[order], scales[order], t.tensor_type.name
+    return codes[order], scales[order], None if mins is None else mins[order]
 
 
-@pytest.mark.parametrize("qtype,fmt,rel", [("Q4_0", "q4g32", 1e-5), ("Q8_0", "q8g32", 1e-3)])
+@pytest.mark.parametrize("qtype,fmt,rel", [("Q4_0", "q4g32", 1e-5), ("Q4_1", "q4g32m", 1e-5), ("Q8_0", "q8g32", 1e-3)])
 def test_exact_formats_bit_for_bit(hf_checkpoint, tmp_path: Path, qtype: str, fmt: str, rel: float) -> None:
-    """Q8_0/Q4_0 matrices become q8g32/q4g32 with the file's own codes and scales (Q/K rows moved
+    """Q8_0/Q4_0/Q4_1 matrices become q8g32/q4g32/q4g32m with the file's own codes and scales (and
+    minimums; Q/K rows moved
     back whole), so the artifact's weights.bin holds them; the compiled model then computes what
     the interpreter computes on the same graph. (Q8_0 at 1e-3: int8 weights read int16
     activations, whose codes are 1/32767 of a row's range apart, and a last-bit difference between
@@ -318,9 +320,10 @@ def test_exact_formats_bit_for_bit(hf_checkpoint, tmp_path: Path, qtype: str, fm
     for hf_name, (gguf_name, heads) in gguf_names.items():
         w = graph.weights[hf_name]
         assert w.format == fmt and w.attrs["prequantized"] == f"GGUF {qtype}"
-        codes, scales, _ = _independent_codes(path, gguf_name, heads)
+        codes, scales, mins = _independent_codes(path, gguf_name, heads)
         q = w.quantized()
         assert np.array_equal(q.codes, codes) and np.array_equal(q.scales.view(np.uint16), scales.view(np.uint16))
+        assert mins is None or np.array_equal(q.mins.view(np.uint16), mins.view(np.uint16))
         dequantized = gguf.quants.dequantize(_gguf_tensor(path, gguf_name).data, gguf.GGMLQuantizationType[qtype])
         order = permute(np.arange(codes.shape[0]), heads, None).argsort() if heads else np.arange(codes.shape[0])
         assert np.array_equal(w.numpy_f32().view(np.uint32), dequantized[order].view(np.uint32)), hf_name
@@ -338,8 +341,9 @@ def test_exact_formats_bit_for_bit(hf_checkpoint, tmp_path: Path, qtype: str, fm
     packed = np.fromfile(artifact / "weights.bin", dtype=np.uint8)
     embed = next(t for t in manifest["tensors"] if t["name"] == "model.embed_tokens.weight")
     unpacked = get_format(fmt).unpack(packed[embed["offset"]:embed["offset"] + embed["nbytes"]], embed["shape"])
-    codes, scales, _ = _independent_codes(path, "token_embd.weight", 0)
+    codes, scales, mins = _independent_codes(path, "token_embd.weight", 0)
     assert np.array_equal(unpacked.codes, codes) and np.array_equal(unpacked.scales, scales)
+    assert mins is None or np.array_equal(unpacked.mins, mins)
     lowered = import_model(path)
     PassManager(options.pipeline(graph=lowered)).run(lowered, {})
     assert {w.format for n in lowered.nodes if n.op in ("linear", "logits") for w in n.weights[:1]} == {fmt}
@@ -539,3 +543,19 @@ def test_bad_gguf_is_one_line_exit_2(hf_checkpoint, tmp_path: Path, case) -> Non
         assert len(lines) == 1 and str(path) in lines[0], result.stderr
         for needle in needles:
             assert needle in lines[0], lines[0]
+
+
+def test_smollm2_served_answers_paris(smollm2: Path, tmp_path: Path, monkeypatch) -> None:
+    """``infeng serve FILE.gguf --dtype f32`` (compiled into the artifact cache), the official openai
+    client, the file's ChatML template: greedy, the France question is answered with Paris."""
+    openai = pytest.importorskip("openai")
+    from _serving import running_server
+
+    monkeypatch.setenv("INFENG_CACHE_DIR", str(tmp_path / "cache" / "build"))
+    with running_server(smollm2, "--dtype", "f32", "--max-seqs", "2", "--max-context", "1024",
+                        log=tmp_path / "serve.log", startup_s=300) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        answer = client.chat.completions.create(model=model, temperature=0, max_tokens=24, messages=[
+            {"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in answer.choices[0].message.content, answer.choices[0].message.content

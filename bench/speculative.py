@@ -86,8 +86,9 @@ def prompts(tokenizer) -> dict[str, tuple[str, str]]:
 
 
 def compile_gguf(gguf: Path, out: Path, quant: str | None) -> Path:
+    """``quant`` None: every weight widened to f32 (``--dtype f32``), the GGUF's values."""
     if not (out / "manifest.json").exists():
-        cmd = ["infeng", "compile", str(gguf), "-o", str(out)] + (["--quant", quant] if quant else [])
+        cmd = ["infeng", "compile", str(gguf), "-o", str(out)] + (["--quant", quant] if quant else ["--dtype", "f32"])
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
 
@@ -96,8 +97,8 @@ def peer_decode(gguf: Path, threads: int, n: int = 128) -> float | None:
     bench = PEER / "build" / "bin" / "llama-bench"
     if not bench.exists():
         return None
-    out = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(n), "-o", "json"],
-                         capture_output=True, text=True)
+    out = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(n), "-r", "2",
+                          "-o", "json"], capture_output=True, text=True)
     if out.returncode != 0:
         return None
     rows = json.loads(out.stdout)
@@ -109,8 +110,11 @@ def peer_lookup(gguf: Path, prompt: str, threads: int, n: int) -> dict | None:
     exe = PEER / "build" / "bin" / "llama-lookup"
     if not exe.exists():
         return None
-    out = subprocess.run([str(exe), "-m", str(gguf), "-t", str(threads), "-n", str(n), "--temp", "0",
-                          "-p", prompt, "--draft-max", "8", "-no-cnv"], capture_output=True, text=True)
+    try:
+        out = subprocess.run([str(exe), "-m", str(gguf), "-t", str(threads), "-n", str(n), "--temp", "0",
+                              "-p", prompt], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return None
     log = out.stdout + out.stderr
     m = re.search(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds, speed:\s+([\d.]+)\s+t/s", log)
     acc = re.search(r"accept\s*=\s*([\d.]+)%", log)

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from infeng_common.errors import InfengError
+import numpy as np
+
+from infeng_common.errors import InfengError, ModelFormatError
 from infeng_common.manifest import LIBRARY, WEIGHTS, file_sha256, is_artifact, read_manifest
 
 from . import __version__
@@ -61,6 +63,12 @@ class CompileOptions:
         """The pass pipeline these options ask for (over ``graph``, the imported model, when given:
         an explicit dtype widens the quantized weights a GGUF import kept exact)."""
         if self.passes:
+            given = [flag for flag, value in (("--quant", self.quant), ("--quant-policy", self.quant_policy),
+                                              ("--kv", self.kv != "f32"), ("--dtype", self.dtype),
+                                              ("--merge", self.merge), ("--calib", self.calib)) if value]
+            if given:
+                raise InfengError(f"--passes is the whole pipeline; {', '.join(given)} would be ignored: put "
+                                  f"those passes in --passes instead")
             return parse_pipeline(self.passes)
         imported_quantized = graph is not None and any(w.attrs.get("prequantized") for w in graph.weights.values())
         entries = [("merge-lora", [name]) for name in self.merge]
@@ -117,12 +125,21 @@ def run_pipeline(model: str | Path, options: CompileOptions, after: Callable[[st
     the graph after the import (and each ONNX raising pass) and after every compile pass."""
     source = model_source(model, options.tokenizer)
     graph = timed("import", lambda: import_model(model, options.tokenizer, strict=True, after=after))
+    timed("check", lambda: check_finite(graph))
     adapters = timed("adapters", lambda: {name: load_adapter(path, graph, name) for name, path in options.lora.items()})
     pipeline = options.pipeline(adapters, graph)
     manager = PassManager(pipeline, dump_dir=options.dump_ir)
     context = {"adapters": adapters, "model_dir": source.tokenizer_dir}
     timed("passes", lambda: manager.run(graph, context, after=after))
     return PassedGraph(graph, source, adapters, pipeline, manager, context)
+
+
+def check_finite(graph: Graph) -> None:
+    """Refuse NaN or Inf in any weight (a model that would compute garbage), naming the tensor."""
+    for name, weight in graph.weights.items():
+        if not np.isfinite(weight.numpy_f32()).all():
+            raise ModelFormatError(f"{graph.meta.get('model_dir', graph.name)}: tensor {name} has non-finite values "
+                                   f"(NaN or Inf)")
 
 
 def compile_model(model: str | Path, out_dir: str | Path, options: CompileOptions,
@@ -147,7 +164,7 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
     quant = passed.context.get("quant_report")
     lowered = timed("lower", lambda: lower(graph, target, max_tokens=options.max_tokens,
                                            block_size=options.block_size))
-    sources, baseline = timed("render", lambda: render_sources(lowered, graph.name, options.profile))
+    sources, baseline = timed("render", lambda: render_sources(lowered, options.profile))
     build = timed("build", lambda: build_library(sources, target, baseline_sources=baseline))
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -130,20 +130,20 @@ def running_server(artifact: Path, *args: str, log: Path, startup_s: float = 90.
 
 
 def nonfinite_artifact(root: Path) -> Path:
-    """stories260K with its final norm weight set to NaN, compiled like ``served_artifact`` (without
-    LoRA slots): every logit it computes is NaN. Built once per process."""
+    """stories260K compiled like ``served_artifact`` (without LoRA slots), then its final norm weight
+    overwritten with NaN inside weights.bin (``infeng compile`` refuses NaN weights, so the damage
+    comes after it): every logit it computes is NaN. Built once per process."""
     if "nonfinite" not in _built:
-        from safetensors.numpy import load_file, save_file
-
         from infeng_compiler.compile import CompileOptions, compile_model
 
-        model = root / "stories-nan"
-        shutil.copytree(STORIES, model)
-        weights = load_file(str(model / "model.safetensors"))
-        weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], np.nan)
-        save_file(weights, str(model / "model.safetensors"))
         out = root / "stories-nan.infeng"
-        compile_model(model, out, CompileOptions(target="scalar"))
+        compile_model(STORIES, out, CompileOptions(target="scalar"))
+        norm = next(t for t in json.loads((out / "manifest.json").read_text())["tensors"]
+                    if t["name"] == "model.norm.weight")
+        assert norm["format"] == "f32"
+        with open(out / "weights.bin", "r+b") as f:
+            f.seek(norm["offset"])
+            f.write(np.full(norm["shape"], np.nan, dtype=np.float32).tobytes())
         cfg_path = out / "tokenizer_config.json"
         cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "chat_template": CHAT_TEMPLATE}, indent=2))
         _built["nonfinite"] = out

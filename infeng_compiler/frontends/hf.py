@@ -112,11 +112,15 @@ class _Builder:
     def common_meta(self, family: str, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
                     vocab: int, max_pos: int) -> dict[str, Any]:
         eos = self.config.get("eos_token_id")
+        eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        bos = self.config.get("bos_token_id")
+        for key, value in [("bos_token_id", bos)] + [("eos_token_id", e) for e in eos_ids]:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab):
+                raise ModelFormatError(f"{self.dir / 'config.json'}: {key} must be a token id in [0, {vocab}), "
+                                       f"got {value!r}")
         return {"family": family, "model_dir": str(self.dir.resolve()), "hidden_size": hidden,
                 "num_layers": layers, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
-                "vocab_size": vocab, "max_position_embeddings": max_pos,
-                "bos_token_id": self.config.get("bos_token_id"),
-                "eos_token_ids": eos if isinstance(eos, list) else ([eos] if eos is not None else [])}
+                "vocab_size": vocab, "max_position_embeddings": max_pos, "bos_token_id": bos, "eos_token_ids": eos_ids}
 
     # -- llama / mistral / qwen2 ---------------------------------------------------------
     def build_llama(self) -> Graph:

@@ -8,7 +8,7 @@ The model is SmolLM2-135M-Instruct from the package registry (``infeng_models.re
 ``--gguf`` names another file. infeng compiles it (``infeng compile``) as:
 
 - ``import``: the GGUF's matrices as imported (Q8_0/Q4_0/Q4_1 kept code for code);
-- ``f32``: every weight widened to f32 (the GGUF's values exactly; the reference of the table);
+- ``f32``: every weight widened to f32 (``--dtype f32``: the GGUF's values exactly; the reference);
 - ``int8``, ``int4``, ``int4 --calib``: infeng's own formats, quantized from those values
   (calibration text: bytes 200,000-400,000 of the wikitext file, disjoint from the evaluation);
 
@@ -34,8 +34,9 @@ from decode import PEER, emit  # noqa: E402
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 TEXT = ASSETS / "text" / "wikitext-2-raw-v1-test.txt"
 CALIB = (200_000, 400_000)
-CONFIGS = {"import": [], "f32": ["--passes", "cast-weights(f32),fuse-linears"], "int8": ["--quant", "int8"],
-           "int4": ["--quant", "int4"], "int4-calib": ["--quant", "int4", "--calib", "{calib}"]}
+CONFIGS = {"import": [], "f32": ["--dtype", "f32"], "int8": ["--dtype", "f32", "--quant", "int8"],
+           "int4": ["--dtype", "f32", "--quant", "int4"],
+           "int4-calib": ["--dtype", "f32", "--quant", "int4", "--calib", "{calib}"]}
 
 
 def infeng(*args: str) -> str:

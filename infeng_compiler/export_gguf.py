@@ -103,7 +103,7 @@ def export_gguf(model: str | Path, out: str | Path, gguf_type: str | None = None
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[gguf_type])
     vocab = tokenizer_vocab(Path(source.tokenizer_dir)) if source.tokenizer_dir else None
     if vocab:
-        _add_vocab(writer, vocab)
+        add_vocab(writer, vocab)
     tied = "lm_head.weight" not in graph.weights
     counts: dict[str, int] = {}
     for name, weight in graph.weights.items():
@@ -197,7 +197,8 @@ def _chat_template(tokenizer_dir: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _add_vocab(writer, vocab: dict[str, Any]) -> None:
+def add_vocab(writer, vocab: dict[str, Any]) -> None:
+    """Write a vocabulary (``tokenizer_vocab``'s form) into a ``gguf.GGUFWriter``."""
     writer.add_tokenizer_model(vocab["model"])
     if vocab.get("pre"):
         writer.add_tokenizer_pre(vocab["pre"])

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from infeng_compiler.export_gguf import add_vocab
+
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gpt2": "gpt2"}
 
 _LLAMA_NAMES = {
@@ -151,22 +153,7 @@ def write_gguf(out: Path, arch: str, metadata: dict[str, Any], tensors: dict[str
         else:
             writer.add_string(key, value)
     if vocab:
-        writer.add_tokenizer_model(vocab["model"])
-        if vocab.get("pre"):
-            writer.add_tokenizer_pre(vocab["pre"])
-        writer.add_token_list(vocab["tokens"])
-        if vocab.get("scores") is not None:
-            writer.add_token_scores(vocab["scores"])
-        writer.add_token_types(vocab["types"])
-        if vocab.get("merges"):
-            writer.add_token_merges(vocab["merges"])
-        writer.add_bos_token_id(vocab["bos"])
-        writer.add_eos_token_id(vocab["eos"])
-        if vocab.get("unk") is not None:
-            writer.add_unk_token_id(vocab["unk"])
-        writer.add_add_bos_token(vocab.get("add_bos", False))
-        if vocab.get("chat_template"):
-            writer.add_chat_template(vocab["chat_template"])
+        add_vocab(writer, {"add_bos": False, **vocab})
     for name, (array, type_name) in tensors.items():
         data, raw_dtype = _quantize(np.ascontiguousarray(array), gguf.GGMLQuantizationType[type_name])
         writer.add_tensor(name, data, raw_dtype=raw_dtype)

@@ -29,8 +29,6 @@ import json
 import os
 import re
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]

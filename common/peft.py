@@ -126,7 +126,7 @@ def _check_config(cfg_path: Path, config: Any) -> None:
 def _check_regex(cfg_path: Path, key: str, pattern: str) -> None:
     try:
         re.compile(pattern)
-    except re.error as e:
+    except re.error:
         raise ModelFormatError(f"{cfg_path}: {key} is not a valid regular expression") from None
 
 

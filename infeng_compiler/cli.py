@@ -312,7 +312,6 @@ def generate_command(model: Path = typer.Argument(..., help="model directory or 
                      as_json: bool = typer.Option(False, "--json"),
                      tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer dir (ONNX)")):
     """Continue PROMPT with the reference interpreter (slow, exact)."""
-    from infeng_runtime.generation import Generation, stream
     from infeng_runtime.sampling import SamplingParams
 
     runner, tokenizer = _load_runner(model, Backend.interp, tokenizer_dir=tokenizer_dir)

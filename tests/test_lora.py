@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from infeng_common.errors import InfengError, ModelFormatError
+from infeng_common.errors import ModelFormatError
 from infeng_compiler.cli import app
 from infeng_compiler.compile import CompileOptions, compile_model
 from infeng_compiler.frontends.hf import import_hf

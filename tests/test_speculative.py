@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 import threading
 
 import httpx

@@ -660,7 +660,7 @@ def bench_command(artifact: Path = typer.Argument(..., help="compiled artifact d
         print(f"profiled ops add up to {100 * total['profiled_frac']:.1f}% of the measured step time")
 
 
-DEMO_QUESTIONS = ("What is the capital of France?", "Give me three tips for sleeping well.")
+DEMO_QUESTIONS = ("What is the capital of Germany?", "Why is the sky blue?", "Give me three tips for sleeping well.")
 
 
 @app.command("demo")
@@ -690,9 +690,9 @@ def demo_command(workdir: Optional[Path] = typer.Option(None, "--dir", help="whe
 
 
 def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
-    """Compile the real model and ask it ``questions``. Its matrices are widened from the file's
-    Q4_1 and quantized again to infeng's int4 (q4g32, clipping search): kept exact, they compute
-    what llama.cpp computes, which answers the France question with "L'Étoile, ..." (docs/models.md)."""
+    """Compile the real model and ask it ``questions``. Its int4 weights are the file's Q4_1 matrices
+    bit for bit (q4g32m): the measured best of infeng's 4-bit options on it (docs/performance.md,
+    *Real model quality*), computing what llama.cpp computes on the same file."""
     from infeng_runtime.chat import render_chat
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
@@ -703,12 +703,13 @@ def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
         task = bar.add_task("compile", total=None)
         started = time.perf_counter()
         artifact, hit = cached_artifact(
-            gguf, CompileOptions(target="native", dtype="f32", quant="int4"),
+            gguf, CompileOptions(target="native"),
             stage=lambda name: bar.update(task, description=f"compiling SmolLM2-135M-Instruct: {name}", completed=0,
                                           total=None),
             progress=lambda done, total: bar.update(task, completed=done, total=total))
     seconds = time.perf_counter() - started
-    err.print(f"{'loaded the cached artifact' if hit else 'compiled with int4 weights'} in {seconds:.1f} s -> {artifact}")
+    done = "loaded the cached artifact" if hit else "compiled with the file's int4 weights (Q4_1, bit for bit)"
+    err.print(f"{done} in {seconds:.1f} s -> {artifact}")
     llm = LLM(artifact, max_seqs=1)
     tokenizer = llm.tokenizer
     label = f"compiled, {llm.engine.threads} threads"

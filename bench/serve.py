@@ -63,12 +63,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 3
     raise SystemExit(f"server at {url} did not come up in {timeout} s")
 
 
-def start_infeng(artifact: Path, args, log: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+def start_infeng(artifact: Path, args, log: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "infeng_compiler.cli", "serve", str(artifact), "--port", str(port),
            "--threads", str(args.threads), "--max-seqs", str(max(args.streams)), "--log-level", "warning",
            "--max-context", str(args.prompt_len + args.max_tokens + 16)]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -89,7 +90,8 @@ def link_packages(tree: Path, workdir: Path) -> Path:
 def start_baseline(artifact: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
     """``infeng serve`` from the checkout ``--baseline-tree``."""
     links = link_packages(Path(args.baseline_tree).resolve(), Path(args.workdir))
-    return start_infeng(artifact, args, log, env={**os.environ, "PYTHONPATH": str(links)})
+    # run from the links folder: ``python -m`` puts the working directory first on sys.path
+    return start_infeng(artifact.resolve(), args, log, env={**os.environ, "PYTHONPATH": str(links)}, cwd=links)
 
 
 def start_llama_server(gguf: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
@@ -236,9 +238,9 @@ def baseline_loop_step_us(artifact: Path, n: int, args) -> float:
     tree = Path(args.baseline_tree).resolve()
     links = link_packages(tree, Path(args.workdir))
     out = subprocess.run([sys.executable, str(tree / "bench" / "serve.py"), "--scheduler-only", "--artifact",
-                          str(artifact), "--streams", str(n), "--rounds", "1", "--prompt-len", str(args.prompt_len),
-                          "--max-tokens", str(args.max_tokens)], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(links)})
+                          str(artifact.resolve()), "--streams", str(n), "--rounds", "1", "--prompt-len",
+                          str(args.prompt_len), "--max-tokens", str(args.max_tokens)], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(links)}, cwd=links)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["us_per_decode_step"])
 
 

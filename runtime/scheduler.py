@@ -185,6 +185,7 @@ class Scheduler:
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = SchedulerStats()
         self.failed: list[SeqOutput] = []     # finished while scheduling (adapter failed to load)
+        self._special = 0                     # requests in flight that sample or follow a grammar
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.speculator: Speculator | None = None   # set by the loop: decodes may draft and verify
@@ -232,6 +233,7 @@ class Scheduler:
             for seq in seqs:
                 seq.spec = self.speculator.state()
         self.requests[request.request_id] = seqs
+        self._special += self._is_special(request)
         for seq in seqs:
             self._push_waiting(seq)
 
@@ -448,11 +450,11 @@ class Scheduler:
                     kv.register(seq.seq_id, seq.hashes, n_full)
         outs: list[SeqOutput] = []
         sampled = plan.sampled
-        constrained = [(r, s) for r, s in enumerate(sampled) if s.request.grammar is not None]
+        constrained = [(r, s) for r, s in enumerate(sampled) if s.request.grammar is not None] if self._special else ()
         if constrained:                        # structured outputs: disallowed tokens masked (structured.py)
             apply_masks(logits, constrained)
-        greedy_rows = [r for r, s in enumerate(sampled) if s.greedy]
-        if len(greedy_rows) == len(sampled):
+        greedy_rows = [r for r, s in enumerate(sampled) if s.greedy] if self._special else ()
+        if not self._special or len(greedy_rows) == len(sampled):
             greedy_tokens = logits.argmax(axis=1).tolist()
             greedy_finite = _finite_at(logits, range(len(sampled)), greedy_tokens)
         elif greedy_rows:
@@ -473,7 +475,7 @@ class Scheduler:
             if not finite:
                 outs.append(self._finish(seq, "error", NON_FINITE))
                 continue
-            outs.append(self._emit(seq, token, logits[r]))
+            outs.append(self._emit(seq, token, logits, r))
         if verify:
             outs.extend(self._verify(plan, verify_logits))
         if constrained:                        # matchers take the tokens; the next masks fill during forward
@@ -518,7 +520,7 @@ class Scheduler:
             self.speculator.verified(seq, k, a)
             seq.num_computed += 1              # the last token's position; each accepted draft adds one
             for i, token in enumerate(chosen):
-                outs.append(self._emit(seq, token, rows[i]))
+                outs.append(self._emit(seq, token, rows, i))
                 if seq.status != RUNNING:
                     break
                 if i < a:
@@ -530,7 +532,8 @@ class Scheduler:
                     kv.register(seq.seq_id, seq.hashes, n_full)
         return outs
 
-    def _emit(self, seq: Sequence, token: int, row: np.ndarray) -> SeqOutput:
+    def _emit(self, seq: Sequence, token: int, logits: np.ndarray, row: int) -> SeqOutput:
+        """The output of ``seq`` sampling ``token`` from ``logits[row]`` (read only for logprobs)."""
         p = seq.request.params
         cached = 0
         if not seq.reported_cached:
@@ -543,10 +546,10 @@ class Scheduler:
             out = self._finish(seq, "stop", None)
             out.cached_tokens = cached
             return out
-        out = SeqOutput(seq.request, seq.index, token, cached_tokens=cached)
+        out = SeqOutput(seq.request, seq.index, token, None, None, None, None, cached)
         k = seq.request.logprobs
         if k is not None:
-            z = row.astype(np.float64)
+            z = logits[row].astype(np.float64)
             z -= z.max()
             logp = np.maximum(z - np.log(np.exp(z).sum()), LOGPROB_FLOOR)     # -inf (masked) is not JSON
             out.logprob = float(logp[token])
@@ -574,9 +577,16 @@ class Scheduler:
         seqs = self.requests.get(request.request_id)
         if seqs is not None and all(s.status == FINISHED for s in seqs):
             del self.requests[request.request_id]
+            self._special -= self._is_special(request)
             if request.adapter:
                 self.adapters.drop(request.adapter, request.n)
         return SeqOutput(request, seq.index, None, reason, error=error)
+
+    @staticmethod
+    def _is_special(request: Request) -> bool:
+        """A request that samples or follows a grammar: while none is in flight, every sampled row
+        of a step is greedy and unconstrained (``update`` skips looking)."""
+        return not request.params.greedy or request.grammar is not None
 
     def _stop_running(self, seq: Sequence) -> None:
         """Give back what a running sequence holds: its KV blocks and slot, its adapter slot."""

@@ -19,8 +19,9 @@ clients), ``ratio`` is infeng / llama-server in the same run.
 
 With ``--baseline-tree DIR`` (a checkout of an older commit, e.g. ``git worktree add /tmp/old
 COMMIT``), the same artifact is also served by that tree's runtime, in the same alternating rounds:
-``baseline_step_overhead_us`` and ``overhead_ratio`` (this tree / the old one) compare the Python
-time per step of the two runtimes on the same machine and clients.
+``median_step_overhead_us``, ``baseline_median_step_overhead_us`` and ``overhead_ratio`` (this tree
+/ the old one, medians over the rounds) compare the Python time per step of the two runtimes on the
+same machine and clients.
 """
 from __future__ import annotations
 
@@ -310,9 +311,11 @@ def main() -> None:
                            peer_ttft_ms_p50=round(peer["ttft_ms_p50"], 1), peer_itl_ms_p50=round(peer["itl_ms_p50"], 2))
             if "baseline" in runs:
                 base = median_run(runs["baseline"])
-                row.update(baseline_tok_s=round(base["tok_s"], 2),
-                           baseline_step_overhead_us=round(base["step_overhead_us"], 1),
-                           overhead_ratio=round(ours["step_overhead_us"] / base["step_overhead_us"], 3),
+                ours_us = float(np.median([r["step_overhead_us"] for r in runs["infeng"]]))
+                base_us = float(np.median([r["step_overhead_us"] for r in runs["baseline"]]))
+                row.update(baseline_tok_s=round(base["tok_s"], 2), median_step_overhead_us=round(ours_us, 1),
+                           baseline_median_step_overhead_us=round(base_us, 1),
+                           overhead_ratio=round(ours_us / base_us, 3),
                            overhead_us_all=[round(r["step_overhead_us"], 1) for r in runs["infeng"]],
                            baseline_overhead_us_all=[round(r["step_overhead_us"], 1) for r in runs["baseline"]])
             emit(**row)

@@ -372,9 +372,12 @@ def parse_named_paths(items: list[str], option: str) -> dict[str, Path]:
 
 @app.command("compile")
 @fails_cleanly
-def compile_command(model: Path = typer.Argument(..., help="model dir, .safetensors, .onnx, .gguf or Hub id "
-                                                            "org/name[@rev]"),
+def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir, .safetensors, .onnx, .gguf or Hub "
+                                                                      "id org/name[@rev]"),
                     output: Path = typer.Option(..., "-o", "--output", help="artifact directory to write"),
+                    replay: Optional[Path] = typer.Option(None, "--replay",
+                                                          help="rebuild ARTIFACT from the model, inputs and options "
+                                                               "its manifest records (inputs checked by sha256)"),
                     target: str = TARGET, dtype: Optional[DType] = DTYPE, passes: Optional[str] = PASSES,
                     dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="write NN-<pass>.ir here"),
                     max_tokens: int = MAX_TOKENS,
@@ -388,11 +391,18 @@ def compile_command(model: Path = typer.Argument(..., help="model dir, .safetens
     """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
     from rich.table import Table
 
-    from .compile import compile_model
+    from .compile import compile_model, replay_options
 
-    options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank, lora_targets,
-                              tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window, dump_ir=dump_ir,
-                              profile=profile)
+    if replay is not None:
+        if model is not None:
+            raise InfengError("--replay ARTIFACT rebuilds the model it records: give no MODEL")
+        model, options = replay_options(replay)
+    elif model is None:
+        raise InfengError("give the MODEL to compile (or --replay ARTIFACT)")
+    else:
+        options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank,
+                                  lora_targets, tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window,
+                                  dump_ir=dump_ir, profile=profile)
     with progress_bar() as bar:
         task = bar.add_task("compile", total=None)
         summary = compile_model(model, output, options,
@@ -401,7 +411,7 @@ def compile_command(model: Path = typer.Argument(..., help="model dir, .safetens
     table = Table(title=f"compiled {output}", show_header=False)
     table.add_row("target", summary.target)
     table.add_row("pipeline", summary.pipeline)
-    table.add_row("kv cache", f"{kv.value}" + (f", last {kv_window} tokens f16" if kv_window else "")
+    table.add_row("kv cache", f"{options.kv}" + (f", last {options.kv_window} tokens f16" if options.kv_window else "")
                   + (", K centred" if summary.kv_centred else "") + f", {summary.kv_bytes_per_token:g} bytes/token")
     table.add_row("weights", f"{summary.weights_bytes / 2**20:.1f} MiB")
     table.add_row("kernels rendered", str(summary.kernels))

@@ -1,6 +1,8 @@
 """``infeng compile``: import -> passes -> lower -> render -> build -> write the artifact."""
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -134,6 +136,68 @@ def run_pipeline(model: str | Path, options: CompileOptions, after: Callable[[st
     return PassedGraph(graph, source, adapters, pipeline, manager, context)
 
 
+def _swap_into_place(staging: Path, out_dir: Path) -> None:
+    """Replace ``out_dir`` by ``staging`` atomically: under a lock in its folder (``.infeng.lock``:
+    two compiles to one ``-o`` take turns, the last one's artifact stays), the old directory is
+    renamed away first."""
+    lock_path = out_dir.parent / ".infeng.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        old = None
+        if out_dir.is_symlink() or out_dir.is_file():
+            raise InfengError(f"{out_dir}: exists and is not an artifact directory; give another -o")
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.replace(out_dir, old)            # onto the empty directory just made: a name no one else has
+        os.replace(staging, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def input_files(source: ModelSource, options: CompileOptions) -> list[Path]:
+    """Every file a build reads: the model's, the adapters', the calibration text, the policy."""
+    adapters = [f for d in options.lora.values() for f in sorted(Path(d).glob("adapter_*")) if f.is_file()]
+    return list(source.files) + adapters + [p for p in (options.calib, options.quant_policy) if p is not None]
+
+
+def options_record(options: CompileOptions, target: str) -> dict[str, Any]:
+    """``options`` as JSON, paths absolute, the target resolved (``native`` names a CPU): what
+    ``replay_options`` reads back."""
+    record: dict[str, Any] = {}
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if f.name == "dump_ir":
+            continue
+        if isinstance(value, Path):
+            value = str(value.resolve())
+        elif f.name == "lora":
+            value = {name: str(Path(path).resolve()) for name, path in value.items()}
+        record[f.name] = value
+    record["target"] = target
+    return record
+
+
+def replay_options(artifact: str | Path) -> tuple[Path, CompileOptions]:
+    """(model, options) that built ``artifact``, after checking that every input file still has the
+    sha256 the manifest records (``infeng compile --replay``)."""
+    manifest = read_manifest(artifact)
+    record = manifest.get("compile")
+    if not isinstance(record, dict):
+        raise InfengError(f"{artifact}: its manifest has no compile record (built by an older infeng); "
+                          f"it cannot be replayed")
+    for path, digest in record["inputs"].items():
+        if not Path(path).is_file():
+            raise InfengError(f"{path}: an input of {artifact} is gone; it cannot be replayed")
+        if file_sha256(Path(path)) != digest:
+            raise InfengError(f"{path}: changed since {artifact} was built (sha256 differs); it cannot be replayed")
+    values = dict(record["options"])
+    for name in ("tokenizer", "quant_policy", "calib"):
+        if values.get(name) is not None:
+            values[name] = Path(values[name])
+    values["lora"] = {name: Path(path) for name, path in values.get("lora", {}).items()}
+    return Path(record["model"]), CompileOptions(**values)
+
+
 def check_finite(graph: Graph) -> None:
     """Refuse NaN or Inf in any weight (a model that would compute garbage), naming the tensor."""
     for name, weight in graph.weights.items():
@@ -147,6 +211,8 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
                   progress: Callable[[int, int], None] | None = None) -> CompileSummary:
     """Compile ``model`` into the artifact directory ``out_dir`` (replaced atomically)."""
     out_dir = Path(out_dir)
+    if out_dir.is_file() or out_dir.is_symlink():
+        raise InfengError(f"{out_dir}: exists and is not an artifact directory; give another -o")
     target = get_target(options.target)
     stages: dict[str, float] = {}
 
@@ -186,12 +252,12 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
         for name in TOKENIZER_FILES:
             if model_dir is not None and (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, staging / name)
-        source_files = source.files
+        inputs = {str(p.resolve()): file_sha256(p) for p in input_files(source, options)}
         manifest = {
             "infeng_version": __version__,
             "name": graph.name,
             "source": {"model_dir": str(source.path.resolve()),
-                       "sha256": {p.name: file_sha256(p) for p in source_files},
+                       "sha256": {p.name: inputs[str(p.resolve())] for p in source.files},
                        **({"import_pipeline": ONNX_PIPELINE} if source.kind == "onnx" else {})},
             "config": source.config,
             "meta": graph.meta,
@@ -210,11 +276,13 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
             "build": {"key": build.path.parent.name, "cache_hit": build.cache_hit},
             "files": {name: {"bytes": (staging / name).stat().st_size, "sha256": file_sha256(staging / name)}
                       for name in (LIBRARY, WEIGHTS)},
+            "compile": {"model": str(source.path.resolve()), "options": options_record(options, target.name),
+                        "inputs": inputs,
+                        "passes": [{"name": r.name, "args": r.args, "tolerance": r.tolerance, "changed": r.changed,
+                                    "seconds": round(r.seconds, 4)} for r in manager.records]},
         }
         write_manifest(staging, manifest)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
+        _swap_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -65,6 +65,8 @@ def format_pipeline(entries: list[tuple[str, list[str]]]) -> str:
 @dataclass
 class PassRecord:
     name: str
+    args: list[str]
+    tolerance: float          # what the pass declares it may change the logits by
     changed: bool
     seconds: float
 
@@ -93,7 +95,7 @@ class PassManager:
             t0 = time.perf_counter()
             changed = p.run(graph, ctx)
             verify(graph)
-            self.records.append(PassRecord(name, changed, time.perf_counter() - t0))
+            self.records.append(PassRecord(name, list(args), p.tolerance, changed, time.perf_counter() - t0))
             if self.dump_dir:
                 (self.dump_dir / f"{i:02d}-{name}.ir").write_text(print_graph(graph))
             if after:

@@ -1,0 +1,86 @@
+"""``infeng compile --replay ARTIFACT``: the manifest records the model, every input file's sha256,
+the options and every pass (arguments, declared tolerance, changed, time), so the artifact
+rebuilds byte for byte (weights.bin and libmodel.so); a changed input is refused. Two compiles to
+one ``-o`` swap their results in atomically."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+from typer.testing import CliRunner
+
+from _serving import write_adapter
+from infeng_compiler.cli import app
+from infeng_compiler.compile import CompileOptions, compile_model
+
+ASSETS_TEXT = "text/wikitext-2-raw-v1-test.txt"
+
+
+def compile_cli(*args: str):
+    result = CliRunner().invoke(app, ["compile", *args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def files_of(artifact) -> dict:
+    return json.loads((artifact / "manifest.json").read_text())["files"]
+
+
+@pytest.fixture(scope="module")
+def calib(assets, tmp_path_factory):
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_bytes((assets / ASSETS_TEXT).read_bytes()[200_000:230_000])
+    return path
+
+
+@pytest.mark.parametrize("case", ["f32", "int4-calib", "fht-int8-calib", "merged-adapter"])
+def test_replay_is_byte_identical(stories_dir, calib, tmp_path, case):
+    args = {"f32": [], "int4-calib": ["--quant", "int4", "--calib", str(calib)],
+            "fht-int8-calib": ["--kv", "fht-int8", "--calib", str(calib)],
+            "merged-adapter": ["--lora", f"a={write_adapter(tmp_path / 'a', seed=5)}", "--merge", "a"]}[case]
+    first, again = tmp_path / "first.infeng", tmp_path / "again.infeng"
+    compile_cli(str(stories_dir), "-o", str(first), "--target", "scalar", *args)
+    record = json.loads((first / "manifest.json").read_text())["compile"]
+    assert record["options"]["target"] == "scalar" and str(stories_dir.resolve() / "model.safetensors") in record["inputs"]
+    assert all({"name", "args", "tolerance", "changed", "seconds"} <= set(p) for p in record["passes"])
+    compile_cli("--replay", str(first), "-o", str(again))
+    assert files_of(again) == files_of(first)
+
+
+def test_a_changed_input_is_refused(stories_dir, calib, tmp_path):
+    text = tmp_path / "calib.txt"
+    shutil.copy(calib, text)
+    first = tmp_path / "first.infeng"
+    compile_cli(str(stories_dir), "-o", str(first), "--target", "scalar", "--quant", "int8", "--calib", str(text))
+    text.write_text(text.read_text() + "more")
+    result = CliRunner().invoke(app, ["compile", "--replay", str(first), "-o", str(tmp_path / "b.infeng")])
+    assert result.exit_code == 2 and "calib.txt: changed since" in result.output
+
+
+def test_concurrent_compiles_to_one_output(stories_dir, tmp_path):
+    out, errors = tmp_path / "same.infeng", []
+
+    def build(quant):
+        try:
+            compile_model(stories_dir, out, CompileOptions(target="scalar", quant=quant))
+        except Exception as e:          # noqa: BLE001  (the test reports any)
+            errors.append(e)
+
+    threads = [threading.Thread(target=build, args=(q,)) for q in ("int8", "int4", None)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (out / "weights.bin").stat().st_size == manifest["weights_bytes"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".same.infeng.old")]
+
+
+def test_output_onto_a_file_is_one_line(stories_dir, tmp_path):
+    target = tmp_path / "a-file"
+    target.write_text("x")
+    result = CliRunner().invoke(app, ["compile", str(stories_dir), "-o", str(target)])
+    assert result.exit_code == 2 and "is not an artifact directory" in result.output and target.read_text() == "x"

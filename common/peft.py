@@ -116,11 +116,18 @@ def _check_config(cfg_path: Path, config: Any) -> None:
         for pattern, value in patterns.items():
             number(f"a {key} entry", value, positive)
             _check_regex(cfg_path, key, pattern)
+    layers = config.get("layers_to_transform")
+    if layers is not None and not (_is_index(layers) or (isinstance(layers, list) and all(map(_is_index, layers)))):
+        raise ModelFormatError(f"{cfg_path}: layers_to_transform must be a layer index or a list of them")
     targets = config.get("target_modules")
     if isinstance(targets, str) and targets != "all-linear":
         _check_regex(cfg_path, "target_modules", targets)
     elif targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
         raise ModelFormatError(f"{cfg_path}: target_modules must be a string or a list of strings")
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_regex(cfg_path: Path, key: str, pattern: str) -> None:

@@ -89,12 +89,17 @@ class Engine:
         self._handle = self.ffi.gc(handle, self.lib.ife_destroy)
         self.threads = int(self.lib.ife_threads(self._handle))
         constants = self.manifest["constants"]
-        self.adapters = AdapterManager(constants.get("lora_sites", []), int(constants.get("lora_slots", 0)),
-                                       int(constants.get("lora_rank", 0)), self.manifest["name"], self._write_lora)
-        for name in self.manifest.get("adapters", {}).get("bundled", []):
-            self.adapters.load(name, self.path / "adapters" / name)
-        self.tokenizer = Tokenizer(self.path, meta.get("bos_token_id"), meta.get("eos_token_ids")) \
-            if (self.path / "tokenizer.json").is_file() else None
+        try:                    # values of the wrong JSON type in the manifest: one line, not a traceback
+            self.adapters = AdapterManager(constants.get("lora_sites", []), int(constants.get("lora_slots", 0)),
+                                           int(constants.get("lora_rank", 0)), self.manifest["name"], self._write_lora)
+            bundled = (self.manifest.get("adapters") or {}).get("bundled") or []
+            for name in bundled:
+                self.adapters.load(str(name), self.path / "adapters" / str(name))
+            self.tokenizer = Tokenizer(self.path, meta.get("bos_token_id"), meta.get("eos_token_ids")) \
+                if (self.path / "tokenizer.json").is_file() else None
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise ArtifactError(f"{self.path / 'manifest.json'}: a malformed value ({type(e).__name__}: "
+                                f"{str(e)[:200]}); recompile the model") from None
 
     def _pool_blocks(self, max_seqs: int, max_context: int | None, kv_blocks: int | None,
                      kv_memory: int | None) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,12 @@ def import_hf(path: str | Path) -> Graph:
                                f"supported: {', '.join(FAMILIES)}")
     tensors = read_checkpoint(model_dir)
     builder = _Builder(model_dir, config, tensors)
-    return builder.build_gpt2() if family == "gpt2" else builder.build_llama()
+    try:
+        return builder.build_gpt2() if family == "gpt2" else builder.build_llama()
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as e:
+        # a value of the wrong JSON type or shape that no check above names: still one line
+        raise ModelFormatError(f"{model_dir / 'config.json'}: a malformed value ({type(e).__name__}: "
+                               f"{str(e)[:200]})") from None
 
 
 class _Builder:
@@ -82,10 +88,18 @@ class _Builder:
         v = self.config.get(key)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (kind is int and v != int(v)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0 \
+                or (kind is int and v != int(v)):
             what = "a positive integer" if kind is int else "a positive number"
             raise ModelFormatError(f"{self.cfg_path}: field {key!r} must be {what}, got {v!r}")
         return kind(v)
+
+    def check_layers(self, layers: int, key: str) -> None:
+        """``layers`` no more than the checkpoint has tensors for (before anything is built per layer)."""
+        indices = {int(m.group(1)) for name in self.tensors if (m := re.search(r"(?:^|\.)(?:layers|h)\.(\d+)\.", name))}
+        if layers > len(indices):
+            raise ModelFormatError(f"{self.cfg_path}: {key}={layers}, but the checkpoint holds tensors for "
+                                   f"{len(indices)} layers")
 
     def weight(self, g: Graph, name: str, shape: tuple[int, ...], transposed: bool = False) -> Weight:
         if name in g.weights:
@@ -128,6 +142,7 @@ class _Builder:
         family = c["model_type"]
         hidden, layers, heads, inter, vocab = self.need(
             "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        self.check_layers(layers, "num_hidden_layers")
         kv_heads = self.optional("num_key_value_heads", heads)
         if heads % kv_heads:
             raise ModelFormatError(f"{self.cfg_path}: num_attention_heads={heads} is not a multiple of "
@@ -195,6 +210,13 @@ class _Builder:
         c = self.config
         params = c.get("rope_parameters") or {}
         scaling = c.get("rope_scaling") or None
+        for key, value in (("rope_parameters", params), ("rope_scaling", scaling or {})):
+            if not isinstance(value, dict):
+                raise ModelFormatError(f"{self.cfg_path}: {key} must be an object, got {type(value).__name__}")
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            value = {**(scaling or {}), **params}.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ModelFormatError(f"{self.cfg_path}: rope scaling {key} must be a positive number, got {value!r}")
         theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
             raise ModelFormatError(f"{self.cfg_path}: rope_theta must be a positive number, got {theta!r}")
@@ -226,6 +248,7 @@ class _Builder:
     def build_gpt2(self) -> Graph:
         c = self.config
         hidden, layers, heads, vocab, n_pos = self.need("n_embd", "n_layer", "n_head", "vocab_size", "n_positions")
+        self.check_layers(layers, "n_layer")
         inter = self.optional("n_inner", 4 * hidden)
         if hidden % heads:
             raise ModelFormatError(f"{self.cfg_path}: n_embd={hidden} is not a multiple of n_head={heads}")

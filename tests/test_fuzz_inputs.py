@@ -9,10 +9,10 @@ import os
 import shutil
 
 import pytest
+from _serving import write_adapter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _serving import write_adapter
 from infeng_common.errors import InfengError
 from infeng_common.peft import read_adapter
 from infeng_compiler.frontends.hf import import_hf

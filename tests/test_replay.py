@@ -9,9 +9,9 @@ import shutil
 import threading
 
 import pytest
+from _serving import write_adapter
 from typer.testing import CliRunner
 
-from _serving import write_adapter
 from infeng_compiler.cli import app
 from infeng_compiler.compile import CompileOptions, compile_model
 

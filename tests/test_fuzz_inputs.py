@@ -23,7 +23,7 @@ values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-10, 10 **
                                                                                            max_size=3)),
                       max_leaves=6)
 #: 300 inputs a file in the suite, the same every run (derandomized); INFENG_FUZZ_EXAMPLES=N runs N
-#: random ones (the longer run of docs/architecture.md).
+#: random ones (the longer run docs/architecture.md reports).
 FUZZ = settings(max_examples=int(os.environ.get("INFENG_FUZZ_EXAMPLES", 300)), deadline=None,
                 derandomize="INFENG_FUZZ_EXAMPLES" not in os.environ,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -4,11 +4,11 @@ the compiler read them through this module."""
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 from .errors import InfengError
+from .jsonfile import read_json_object
 
 MANIFEST_VERSION = 1
 MANIFEST = "manifest.json"
@@ -34,12 +34,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     mpath = root / MANIFEST
     if not mpath.is_file():
         raise ArtifactError(f"{root}: not an infeng artifact (no {MANIFEST})")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{mpath}: malformed JSON: {e}") from None
-    if not isinstance(manifest, dict):
-        raise ArtifactError(f"{mpath}: not a JSON object")
+    manifest = read_json_object(mpath, ArtifactError)
     version = manifest.get("format_version")
     if version != MANIFEST_VERSION:
         raise ArtifactError(f"{mpath}: artifact format version {version}, this infeng reads {MANIFEST_VERSION}; "

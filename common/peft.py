@@ -9,7 +9,6 @@ transpose: B @ A already is [out, in].
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import warnings
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ModelFormatError, UnsupportedError
+from .jsonfile import read_json_object
 from .safetensors import bf16_to_f32, read_safetensors_header
 
 PEFT_PREFIX = "base_model.model."
@@ -149,10 +149,7 @@ def read_adapter(path: str | Path, linears: dict[str, tuple[int, int]], name: st
         raise ModelFormatError(f"{path}: adapter directory not found")
     if not cfg_path.is_file():
         raise ModelFormatError(f"{cfg_path}: file not found (a PEFT adapter needs it)")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelFormatError(f"{cfg_path}: malformed JSON: {e}") from None
+    config = read_json_object(cfg_path)
     _check_config(cfg_path, config)
     weights_path = path / "adapter_model.safetensors"
     if not weights_path.is_file():

@@ -6,13 +6,13 @@ positions, Conv1D weights stored transposed, gelu_new).
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 from typing import Any
 
 from infeng_common.errors import ModelFormatError, UnsupportedError
+from infeng_common.jsonfile import read_json_object
 
 from ..ir import Graph, TensorType, Value, Weight
 from .checkpoint import TensorEntry, read_checkpoint
@@ -36,14 +36,7 @@ def resolve_model_dir(path: str | Path) -> Path:
 
 
 def load_config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelFormatError(f"{path}: malformed JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ModelFormatError(f"{path}: malformed config: expected a JSON object")
-    return config
+    return read_json_object(model_dir / "config.json")
 
 
 def import_hf(path: str | Path) -> Graph:

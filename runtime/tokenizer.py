@@ -9,7 +9,6 @@ truncation or padding a ``tokenizer.json`` may carry is not applied.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from infeng_common.errors import ModelFormatError
+from infeng_common.jsonfile import read_json_object
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
@@ -40,12 +40,7 @@ class Tokenizer:
         self.config: dict[str, Any] = {}
         cfg_path = model_dir / "tokenizer_config.json"
         if cfg_path.is_file():
-            try:
-                self.config = json.loads(cfg_path.read_text())
-            except ValueError as e:
-                raise ModelFormatError(f"{cfg_path}: malformed JSON: {e}") from None
-            if not isinstance(self.config, dict):
-                raise ModelFormatError(f"{cfg_path}: malformed tokenizer config: expected a JSON object")
+            self.config = read_json_object(cfg_path)
         self._add_config_special_tokens()
         #: What the post-processor puts before and after a single text (``encode(text)``).
         self.prefix_ids, self.suffix_ids = self._special_affixes()

@@ -319,9 +319,16 @@ def cached_artifact(model: str | Path, options: CompileOptions, stage: Callable[
     adapters, calibration text and policy (path, size, modification time), the options, the target
     and this compiler's code (``compiler_fingerprint``); a hit is an artifact whose files still
     have the sizes it recorded."""
-    source = model_source(model, options.tokenizer)
-    inputs = list(source.files) + [p for d in options.lora.values() for p in sorted(Path(d).glob("adapter_*"))]
-    inputs += [p for p in (options.calib, options.quant_policy) if p is not None]
+    path = Path(model)
+    if path.is_file():                          # a .gguf/.onnx/.safetensors file: no need to open it
+        model_files = [path]
+    elif path.is_dir():
+        model_files = sorted(f for f in path.iterdir() if f.suffix in (".json", ".safetensors", ".gguf")
+                             and f.is_file())
+    else:                                       # a hub id: resolved (from the local cache when it is there)
+        model_files = list(model_source(model, options.tokenizer).files)
+    inputs = model_files + [p for d in options.lora.values() for p in sorted(Path(d).glob("adapter_*"))]
+    inputs += [p for p in (options.calib, options.quant_policy, options.tokenizer) if p is not None]
     stats = []
     for path in inputs:
         info = Path(path).stat()
@@ -329,7 +336,7 @@ def cached_artifact(model: str | Path, options: CompileOptions, stage: Callable[
     described = {"infeng": compiler_fingerprint(), "target": get_target(options.target).name, "files": stats,
                  "options": {k: str(v) for k, v in sorted(vars(options).items()) if k not in ("dump_ir", "target")}}
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
-    out = artifact_cache_root() / f"{Path(source.path).stem or 'model'}-{key}.infeng"
+    out = artifact_cache_root() / f"{path.stem or 'model'}-{key}.infeng"
     if is_artifact(out):
         try:
             read_manifest(out)

@@ -543,6 +543,10 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                                                               "SIGTERM/SIGINT"),
                   log_format: str = typer.Option("text", "--log-format", help="text (key=value) or json"),
                   log_level: str = typer.Option("info", "--log-level"),
+                  always_include_usage: bool = typer.Option(False, "--always-include-usage",
+                                                            help="end every stream with a usage chunk, whether or "
+                                                                 "not the request asks (vLLM's "
+                                                                 "--enable-force-include-usage)"),
                   speculative: Optional[str] = SPECULATIVE,
                   target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
                   max_adapters: int = typer.Option(0, "--max-adapters", min=0,
@@ -581,7 +585,7 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                            log_format=log_format, api_key=api_key, adapter_roots=list(adapter_root),
                            trust_request_chat_template=trust_request_chat_template,
                            max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
-                           shutdown_timeout=shutdown_timeout)
+                           shutdown_timeout=shutdown_timeout, always_include_usage=always_include_usage)
     from infeng_runtime.speculative import parse_speculative
 
     options.speculative = parse_speculative(speculative)

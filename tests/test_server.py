@@ -297,3 +297,12 @@ def test_client_disconnect_cancels_the_request(server, stream):
         time.sleep(0.02)
     assert metric(text, "infeng_running_sequences") == 0 and metric(text, "infeng_kv_blocks_used") == 0
     assert metric(text, "infeng_generation_tokens_total") - before < 8 * 490, "the request ran to the end"
+
+
+def test_always_include_usage_flag(artifact, tmp_path):
+    """``--always-include-usage``: a stream that did not ask for usage still ends with a usage chunk."""
+    with running_server(artifact, "--always-include-usage", log=tmp_path / "serve.log") as url:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "model": "stories260K", "prompt": PROMPT, "max_tokens": 4, "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4 and chunks[-1]["choices"] == []

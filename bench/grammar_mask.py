@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from infeng_compiler.frontends.gguf import byte_alphabet
+
 SCHEMAS = {
     "person": ({"type": "object", "properties": {
         "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -132,7 +134,7 @@ def bench_outlines(hf_tok, eos: int, n_vocab: int, grammars, rounds: int):
     import outlines_core as oc
     from outlines_core.json_schema import build_regex_from_schema
 
-    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    byte_of = {c: b for b, c in byte_alphabet().items()}
     t0 = time.perf_counter()
     table: dict[bytes, list[int]] = {}
     for tok, i in hf_tok.get_vocab().items():
@@ -167,19 +169,6 @@ def bench_outlines(hf_tok, eos: int, n_vocab: int, grammars, rounds: int):
             times += ts
             ok = ok and good
         yield name, setup, compile_s, first, times, ok
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte <-> printable character table (byte-level BPE vocabularies spell bytes with it)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def main() -> None:

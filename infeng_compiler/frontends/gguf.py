@@ -552,7 +552,7 @@ PRE_TOKENIZER_SPLITS = {
 
 
 @lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character table (``bytes_to_unicode``)."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, shifted = list(bs), 0
@@ -590,7 +590,7 @@ def build_tokenizer(gf: GGUFFile):
     types: list[int] = gf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges_text = gf.get("tokenizer.ggml.merges")
     if kind == "gpt2":
-        spelling = _byte_alphabet()
+        spelling = byte_alphabet()
         alphabet = set(spelling.values())
         vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
                  for i, t in enumerate(tokens)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 
 import pytest
 from _serving import write_adapter
@@ -33,6 +34,17 @@ def clean_error(e: InfengError, path) -> None:
     assert str(path) in str(e) and "\n" not in str(e), str(e)
 
 
+@contextmanager
+def edited(path, edits: dict):
+    """``path`` (a JSON object) with ``edits`` merged in, restored afterwards."""
+    original = path.read_text()
+    try:
+        path.write_text(json.dumps({**json.loads(original), **edits}))
+        yield
+    finally:
+        path.write_text(original)
+
+
 @pytest.fixture(scope="module")
 def model(stories_dir, tmp_path_factory):
     copy = tmp_path_factory.mktemp("fuzz-model") / "stories"
@@ -49,16 +61,11 @@ CONFIG_KEYS = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_att
 @FUZZ
 @given(edits=st.dictionaries(st.sampled_from(CONFIG_KEYS), values, min_size=1, max_size=3))
 def test_config_json(model, edits):
-    config = json.loads((model / "config.json").read_text())
-    path = model / "config.json"
-    original = path.read_text()
     try:
-        path.write_text(json.dumps({**config, **edits}))
-        import_hf(model)
+        with edited(model / "config.json", edits):
+            import_hf(model)
     except InfengError as e:
         assert "\n" not in str(e), str(e)
-    finally:
-        path.write_text(original)
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +82,11 @@ LINEARS = {f"model.layers.{i}.self_attn.{m}.weight": shape for i in range(5)
 @FUZZ
 @given(edits=st.dictionaries(st.sampled_from(ADAPTER_KEYS), values, min_size=1, max_size=3))
 def test_adapter_config_json(adapter, edits):
-    path = adapter / "adapter_config.json"
-    original = path.read_text()
     try:
-        path.write_text(json.dumps({**json.loads(original), **edits}))
-        read_adapter(adapter, LINEARS, "a", base_name="stories260K")
+        with edited(adapter / "adapter_config.json", edits):
+            read_adapter(adapter, LINEARS, "a", base_name="stories260K")
     except InfengError as e:
         clean_error(e, adapter)
-    finally:
-        path.write_text(original)
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +106,8 @@ MANIFEST_KEYS = ["format_version", "name", "target", "meta", "constants", "weigh
 def test_manifest_json(artifact, edits):
     from infeng_runtime.engine import Engine
 
-    path = artifact / "manifest.json"
-    original = path.read_text()
     try:
-        path.write_text(json.dumps({**json.loads(original), **edits}))
-        Engine(artifact, threads=1, max_seqs=1).close()
+        with edited(artifact / "manifest.json", edits):
+            Engine(artifact, threads=1, max_seqs=1).close()
     except InfengError as e:
         clean_error(e, artifact)
-    finally:
-        path.write_text(original)

@@ -165,7 +165,6 @@ class _Importer:
     # -- nodes ----------------------------------------------------------------------------
     def convert(self, node, onnx) -> None:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        name = _ir_name(node.output[0]) if node.output else "v"
         if node.op_type == "Constant":
             self.values[node.output[0]] = self.constant(node, attrs, onnx)
             return

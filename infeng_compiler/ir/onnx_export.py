@@ -30,7 +30,6 @@ EXTERNAL_THRESHOLD = 1 << 30
 
 def to_onnx(g: Graph, with_weights: bool = True):
     """The ``onnx.ModelProto`` of ``g``; ``with_weights=False`` declares weights as graph inputs only."""
-    import onnx
     from onnx import helper
 
     nodes, inits, extra_inputs = [], [], []

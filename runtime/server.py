@@ -29,6 +29,7 @@ import ctypes
 import json
 import math
 import os
+import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -1290,6 +1291,7 @@ def serve(artifact: str | Path, options: ServeOptions) -> None:
     """Run the server until SIGTERM/SIGINT (drained, exit 0) or until the engine loop dies (exit 1)."""
     options.check()
     configure_logging(options.log_level, options.log_format)
+    listener = bind_listener(options.host, options.port)
     server = build_server(artifact, options)
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level,
                             log_config=None, access_log=False, timeout_graceful_shutdown=5)
@@ -1301,9 +1303,26 @@ def serve(artifact: str | Path, options: ServeOptions) -> None:
         runner.should_exit = True
 
     server.request_exit = request_exit
-    runner.run()
+    runner.run(sockets=[listener])
     if server.exit_code:
         raise SystemExit(server.exit_code)
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the artifact loads, so an address in use (or one this host
+    does not have) is one line and exit 2 at once rather than uvicorn's exit 1 after the load."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise InfengError(f"--host {host}: {e.strerror or e}") from None
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+    except OSError as e:
+        listener.close()
+        raise InfengError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return listener
 
 
 class _UvicornServer(uvicorn.Server):

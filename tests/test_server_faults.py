@@ -708,3 +708,17 @@ def test_serve_cli_range_errors_are_one_line(artifact, tmp_path):
                              timeout=60)
         assert bad.returncode == 2, bad.stderr
         assert bad.stderr.strip().count("\n") == 0 and flag in bad.stderr
+
+
+def test_serve_port_in_use_is_one_line_exit_2(artifact):
+    """The port is bound before the artifact loads: an address in use is one line and exit 2."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        bad = subprocess.run([*infeng_command(), "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port)],
+                             capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.strip().count("\n") == 0 and f"127.0.0.1:{port}" in bad.stderr, bad.stderr

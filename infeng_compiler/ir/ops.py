@@ -264,7 +264,7 @@ def _gelu_ref(ins, ws, attrs, step):
 def _rope_shape(ins, ws, attrs):
     """Rotate each head's halves (the Hugging Face "rotate_half" layout) by position * inv_freq.
 
-    ``scaling`` (optional) is the config's rope_scaling: none, linear or llama3. ``inv_freq``
+    ``scaling`` (optional) is the config's rope_scaling: none, linear, llama3 or yarn. ``inv_freq``
     (optional) gives the inverse frequencies [head_dim/2] explicitly and overrides theta/scaling.
     """
     _expect(ins[0].shape[-1] == attrs["n_heads"] * attrs["head_dim"],
@@ -297,7 +297,48 @@ def rope_inv_freq(attrs: dict[str, Any]) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise UnsupportedError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return _yarn_inv_freq(theta, dim, scaling)
+    raise UnsupportedError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+
+
+def _yarn_inv_freq(theta: float, dim: int, scaling: dict[str, Any]) -> np.ndarray:
+    """YaRN's blend of interpolated and extrapolated frequencies, as transformers computes them."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = (theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))).astype(np.float32)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    inv = (1.0 / (np.float32(factor) * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv.astype(np.float32)
+
+
+def rope_attention_factor(attrs: dict[str, Any]) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for the other kinds). It scales q and k alike, so
+    frontends fold its square into the attention scale instead of scaling the rotation."""
+    scaling = attrs.get("scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
 
 
 @reference("rope")
@@ -321,7 +362,15 @@ def _rope_ref(ins, ws, attrs, step):
 KV_ATTRS = ("k_format", "v_format", "kv_group", "rotate_qk", "kv_window")
 
 
-@op("attention", inputs=("q", "k", "v", "positions"), weights=("k_mean?",),
+def attention_weights(ws: list, attrs: dict[str, Any]) -> tuple[Any, Any]:
+    """(k_mean, sinks) of an attention node's weight operands (either may be None): with the
+    ``sinks`` attribute set the last operand is the sinks, a first one before it is k_mean."""
+    sinks = ws[-1] if attrs.get("sinks") and ws else None
+    rest = ws[:-1] if sinks is not None else ws
+    return (rest[0] if rest else None), sinks
+
+
+@op("attention", inputs=("q", "k", "v", "positions"), weights=("k_mean?", "sinks?"),
     attrs=("layer", "n_heads", "n_kv_heads", "head_dim", "scale"))
 def _attention_shape(ins, ws, attrs):
     """Causal attention of each token over its sequence's KV cache (GQA).
@@ -339,14 +388,20 @@ def _attention_shape(ins, ws, attrs):
     row (after RoPE and the rotation) before it is stored. Exact for attention: it shifts all scores
     of a query by the same q·k_mean, which softmax ignores; it centres K so that its quantization
     step is set by the spread, not by the channel means (docs/kv-cache.md).
+
+    Optional weight ``sinks`` f32[n_heads] (with the attribute ``sinks=true``; GPT-OSS): a learned
+    logit per query head that joins every softmax denominator and attends to nothing.
     """
     q, k, v = ins[:3]
     h, kvh, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
     _expect(q.shape[-1] == h * hd, f"attention: q {q} is not {h} heads of {hd}")
     _expect(k.shape[-1] == kvh * hd and v.shape[-1] == kvh * hd, f"attention: k {k} / v {v} not {kvh} heads of {hd}")
     _expect(h % kvh == 0, f"attention: {h} query heads not a multiple of {kvh} KV heads")
-    _expect(not ws or (ws[0].rank == 1 and ws[0].shape[0] == kvh * hd),
-            f"attention: k_mean must be f32[{kvh * hd}] (one value per KV head and dim), got {ws[0] if ws else None}")
+    k_mean, sinks = attention_weights(ws, attrs)
+    _expect(k_mean is None or (k_mean.rank == 1 and k_mean.shape[0] == kvh * hd),
+            f"attention: k_mean must be f32[{kvh * hd}] (one value per KV head and dim), got {k_mean}")
+    _expect(sinks is None or sinks.shape == (h,), f"attention: sinks must be [{h}] (one per query head), got {sinks}")
+    _expect(len(ws) <= 1 + bool(attrs.get("sinks")), "attention: a second weight operand needs sinks=true")
     if any(a in attrs for a in KV_ATTRS):
         from ..quant.kv import attention_kv_formats, check_format, is_power_of_two
 
@@ -370,20 +425,21 @@ def _attention_ref(ins, ws, attrs, step):
     window = attrs.get("window")
     layer = attrs["layer"]
     T = q.shape[0]
-    kv_cache = any(a in attrs for a in KV_ATTRS) or bool(ws)
+    k_mean, _ = attention_weights(ws, attrs)
+    kv_cache = any(a in attrs for a in KV_ATTRS) or k_mean is not None
     if not kv_cache:
         for s in np.unique(step.seq_ids):
             rows = np.nonzero(step.seq_ids == s)[0]
             step.kv.write(layer, int(s), pos[rows], k[rows].reshape(-1, kvh, hd), v[rows].reshape(-1, kvh, hd))
-        return [_attend(q, pos, step, attrs)]
+        return [_attend(q, pos, step, attrs, ws)]
     # store what the attention_kvq kernels store (docs/kv-cache.md)
     from ..quant.kv import QUANTIZED, attention_kv_formats, fht_heads, quantize, round_f16, store_rows
 
     kf, vf, group = attention_kv_formats(attrs)
     if attrs.get("rotate_qk"):
         q, k = fht_heads(q, h, hd), fht_heads(k, kvh, hd)
-    if ws:           # centred K: every score of a query moves by q·k_mean, softmax does not see it
-        k = (k - ws[0][None, :]).astype(np.float32)
+    if k_mean is not None:   # centred K: every score of a query moves by q·k_mean, softmax does not see it
+        k = (k - k_mean[None, :]).astype(np.float32)
     k3, v3 = k.reshape(-1, kvh, hd), v.reshape(-1, kvh, hd)
     rows_of = {"k": store_rows(k3, kf, group), "v": store_rows(v3, vf, group)}
     if kf in QUANTIZED and vf == "int8":      # integer P·V: exact scores and V codes need the codes themselves
@@ -396,14 +452,16 @@ def _attention_ref(ins, ws, attrs, step):
     for s in np.unique(step.seq_ids):
         rows = np.nonzero(step.seq_ids == s)[0]
         step.kv.write(layer, int(s), pos[rows], **{name: x[rows] for name, x in rows_of.items()})
-    return [_attend(q, pos, step, attrs)]
+    return [_attend(q, pos, step, attrs, ws)]
 
 
-def _attend(q: np.ndarray, pos: np.ndarray, step, attrs: dict) -> np.ndarray:
+def _attend(q: np.ndarray, pos: np.ndarray, step, attrs: dict, ws: list) -> np.ndarray:
     """Every query of ``q`` (rotated when the cache is) over its sequence's cached rows."""
     h, kvh, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
     window, layer, T = attrs.get("window"), attrs["layer"], q.shape[0]
     per_kv = h // kvh
+    _, sink_weight = attention_weights(ws, attrs)
+    sinks = None if sink_weight is None else np.asarray(sink_weight, dtype=np.float64)      # [h]
     from ..quant.kv import QUANTIZED, attention_kv_formats, integer_scores, quantized_pv, query_codes
 
     kf, vf, _ = attention_kv_formats(attrs)
@@ -446,16 +504,21 @@ def _attend(q: np.ndarray, pos: np.ndarray, step, attrs: dict) -> np.ndarray:
             scores = np.where(in_recent, query @ Kr.transpose(0, 2, 1), scores)
         scores = np.where(allowed, scores, -np.inf)
         top = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:    # the sink joins the max and the denominator, attends to nothing
+            top = np.maximum(top, sinks[:, None, None])
+            sink_mass = np.exp(sinks[:, None] - top[..., 0])                      # [h, t]
         prob = np.exp(scores - top)
         if integer_pv:   # int8 V from the store: probabilities as uint8 codes (quant/kv.quantized_pv)
             v_codes, v_scales = (heads(x) for x in step.kv.read(layer, int(s), length, "v_codes", "v_scales"))
             num, den = quantized_pv(scores.astype(np.float32), allowed & ~in_recent, v_codes, v_scales[..., 0], top)
+            if sinks is not None:
+                den += sink_mass
             if recent:
                 num += np.where(in_recent, prob, 0.0) @ Vr
                 den += np.where(in_recent, prob, 0.0).sum(axis=-1)
             out[rows] = (num / den[..., None]).transpose(1, 0, 2)
             continue
-        prob /= prob.sum(axis=-1, keepdims=True)
+        prob /= prob.sum(axis=-1, keepdims=True) + (sink_mass[..., None] if sinks is not None else 0.0)
         if recent:
             out[rows] = (np.where(in_recent, 0.0, prob) @ V + np.where(in_recent, prob, 0.0) @ Vr).transpose(1, 0, 2)
         else:

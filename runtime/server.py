@@ -1,7 +1,7 @@
 """``infeng serve``: the OpenAI HTTP API over one EngineLoop (FastAPI + uvicorn).
 
-Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (both with SSE streaming), ``/v1/models``,
-``POST /v1/adapters`` / ``DELETE /v1/adapters/{name}``, ``/health``, ``/metrics``.
+Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (responses.py; all with SSE
+streaming), ``/v1/models``, ``POST /v1/adapters`` / ``DELETE /v1/adapters/{name}``, ``/health``, ``/metrics``.
 
 In front of the handlers, three ASGI layers: ``RequestLog`` (request ids, one log line per request,
 a JSON 500 for anything unexpected), the request counter of ``/metrics``, and ``AccessGuard``
@@ -381,6 +381,14 @@ class Server:
         @app.post("/v1/chat/completions")
         async def chat_completions(request: HTTPRequest):
             return await self.chat(request)
+
+        from .responses import ResponsesAPI  # it builds on this module
+
+        responses_api = ResponsesAPI(self)
+
+        @app.post("/v1/responses")
+        async def responses(request: HTTPRequest):
+            return await responses_api.create(request)
 
         @app.get("/v1/models")
         async def models():
@@ -879,26 +887,7 @@ class Server:
         adapter = record.adapter = self._adapter_of(body.model)
         self._check_sequences(body.n)
         self._check_unsupported(body)
-        template, kwargs = self._template_args(body.chat_template, body.chat_template_kwargs)
-        tools, mode, named = self._tool_choice(body)
-        spec = self._grammar_spec(body)
-        if mode in ("required", "named"):
-            if spec is not None:
-                raise APIError(400, f"tool_choice {mode!r} and {spec.param} both constrain the output; give one",
-                               param="tool_choice")
-            spec = tool_call_grammar(tools, named)
-        messages = [self._message(m, i) for i, m in enumerate(body.messages)]
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-        try:
-            ids = await self._text_work(self._render, messages, body.add_generation_prompt, template, kwargs,
-                                        tools if mode != "none" else None)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), param="messages") from None
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        kv = self.loop.scheduler.kv
-        room = max(1, min(self.loop.scheduler.max_context, kv.n_blocks * kv.block_size) - len(ids))
-        params = self._params(body, max_tokens, room)
-        grammars = await self._constraints(spec, body.n, 1)
+        ids, params, grammars, mode, named = await self.prepare_chat(body)
         k = (body.top_logprobs or 0) if body.logprobs else None
         rid = f"chatcmpl-{record.request_id}"
         pending = self._submit([ids], [params], body.n, adapter, body.priority, k, rid, grammars)
@@ -963,6 +952,32 @@ class Server:
                             "logprobs": {"content": self._chat_logprobs(t.entries)} if body.logprobs else None,
                             "finish_reason": reason})
         return {**base, "choices": choices, "usage": self._usage(pending, texts)}
+
+    async def prepare_chat(self, body: ChatBody) -> tuple[list[int], SamplingParams, list | None, str, str | None]:
+        """A chat request made ready to submit (also the Responses API's, responses.py): the
+        prompt's ids, the sampling parameters, the grammar constraints (or None), the tool mode
+        (none, auto, required, named) and the named function."""
+        template, kwargs = self._template_args(body.chat_template, body.chat_template_kwargs)
+        tools, mode, named = self._tool_choice(body)
+        spec = self._grammar_spec(body)
+        if mode in ("required", "named"):
+            if spec is not None:
+                raise APIError(400, f"tool_choice {mode!r} and {spec.param} both constrain the output; give one",
+                               param="tool_choice")
+            spec = tool_call_grammar(tools, named)
+        messages = [self._message(m, i) for i, m in enumerate(body.messages)]
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            ids = await self._text_work(self._render, messages, body.add_generation_prompt, template, kwargs,
+                                        tools if mode != "none" else None)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        kv = self.loop.scheduler.kv
+        room = max(1, min(self.loop.scheduler.max_context, kv.n_blocks * kv.block_size) - len(ids))
+        params = self._params(body, max_tokens, room)
+        grammars = await self._constraints(spec, body.n, 1)
+        return ids, params, grammars, mode, named
 
     def _template_args(self, chat_template: str | None, template_kwargs: dict[str, Any] | None
                        ) -> tuple[str | None, dict[str, Any]]:
@@ -1218,7 +1233,7 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 def _endpoint(path: str) -> str:
-    for prefix in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/adapters"):
+    for prefix in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/adapters"):
         if path.startswith(prefix):
             return prefix
     return "other"

@@ -8,6 +8,7 @@
 | ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``) | scalar, avx2, avx512 |
 | ``linear_f8`` | fp8 e4m3 weights x f32 activations (widened through f16 in registers) | scalar, avx2, avx512 |
 | ``embedding_q`` | rows of a quantized table, dequantized | scalar |
+| ``linear_mxfp4`` | MXFP4 weights (GPT-OSS's bytes) x f32 or int8 activations (``act``), e2m1 by ``vpshufb`` | scalar, avx512 |
 
 The avx512 templates use VNNI when the target has it (``avx512-vnni`` and above: ``__AVX512VNNI__``)
 and the AVX-512BW multiply-add pairs otherwise; the avx2 templates use AVX-VNNI under
@@ -20,7 +21,7 @@ from typing import Any
 
 from ..quant.act import ACT_FORMS, act_row_layout
 from ..quant.formats import ROWS_PER_BLOCK, get_format, is_quantized
-from .kernels import OPS, _all, _expect, _OpKernel, _positive
+from .kernels import OPS, KernelSpec, _all, _expect, _OpKernel, _positive
 
 #: Micro-tiles of the integer and fp8 linear kernels: (TT token rows, RB blocks of 16 weight rows
 #: per work item and per single-token tile, RB_MULTI blocks per tile of several token rows). The
@@ -134,10 +135,50 @@ OPS.update({
 })
 
 
+#: Weight rows per work item of the MXFP4 linear (threads split the rows), and token rows per tile
+#: of its vector templates (f32 activations: one decoded row serves TT tokens; int8: 2 rows x TT).
+MXFP4_ROWS_PER_ITEM = 8
+_MXFP4_TT = {"scalar": 1, "avx2": 4, "avx512": 4}
+#: Activation forms of the MXFP4 linear: f32 (exact, the default) or int8 rows in blocks of 32.
+MXFP4_ACTS = ("f32", "q8")
+
+
+def _mxfp4_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
+    lay = act_row_layout(p["K"], 8)
+    return {"rows_per_item": MXFP4_ROWS_PER_ITEM, "tt": _MXFP4_TT[isa], "act_row_bytes": lay["row_bytes"],
+            "act_d_offset": lay["d_offset"]}
+
+
+def _check_mxfp4(p: dict[str, Any]) -> None:
+    _positive("K", "N")(p)
+    _expect(p["K"] % 32 == 0, f"linear_mxfp4: K = {p['K']} is not whole blocks of 32")
+    _expect(p["act"] in MXFP4_ACTS, f"linear_mxfp4: act must be one of {', '.join(MXFP4_ACTS)}, got {p['act']!r}")
+
+
+OPS["linear_mxfp4"] = _OpKernel(
+    ("K", "N", "act"),
+    "void {sym}(ife_pool *pool, const void *x /* [T, K] f32, or int8 activation rows (act q8) */, int T, "
+    "const uint8_t *w /* blocks [N, K/32, 16], then e8m0 scales [N, K/32] */, const float *bias /* [N] or NULL */, "
+    "float *y /* [T, N] */)",
+    ("scalar", "avx512"),
+    lambda p: [f"k{p['K']}", f"n{p['N']}", p["act"]], _check_mxfp4, _mxfp4_plan)
+
+
+def mxfp4_rows_prototype(spec: KernelSpec) -> str:
+    """The C declaration of ``<symbol>_rows``, which a ``linear_mxfp4`` library also defines: rows
+    ``[n_begin, n_end)`` of one [N, K] matrix (``blocks``, ``scales``: one expert's) for T token
+    rows, on the calling thread, into ``y`` with ``ldy`` floats per token row."""
+    return (f"void {spec.symbol}_rows(const void *x, int T, const uint8_t *blocks /* [N, K/32, 16] */, "
+            "const uint8_t *scales /* [N, K/32] */, const float *bias /* [N] or NULL */, int n_begin, int n_end, "
+            "float *y /* [T, ldy] */, int ldy)")
+
+
 def linear_op(weight_format: str) -> str | None:
     """The linear kernel op of a weight format (None for the float formats)."""
     if not is_quantized(weight_format):
         return None
+    if weight_format == "mxfp4":
+        return "linear_mxfp4"
     if weight_format in _INT4:
         return "linear_q4"
     if weight_format in _INT8:

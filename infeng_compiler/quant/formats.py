@@ -40,6 +40,9 @@ much (docs/quantization.md). Codes:
   (k0 = 8*(k/8)): 64 bytes hold 8 k of 16 rows; masking and shifting give two vpdpbusd operands
   of 4 consecutive k each;
 - fp8: ``[k][row]`` (16 bytes: one k of 16 rows, widened and converted to 16 f32 lanes).
+
+``mxfp4`` (OCP microscaling FP4, as GPT-OSS ships its experts) is an imported format, not a
+quantization target: its bytes are the checkpoint's, read without conversion (``MXFP4`` below).
 """
 from __future__ import annotations
 
@@ -220,6 +223,8 @@ _NAME = re.compile(r"^q(8|4)(?:r|g(32|64|128))([am]?)$")
 @lru_cache(maxsize=None)
 def get_format(name: str) -> QuantFormat:
     """The format called ``name``; ``InfengError`` listing the known ones otherwise."""
+    if name == "mxfp4":
+        return MXFP4
     if name == "f8e4m3":
         return QuantFormat("f8e4m3", "fp8", 8, 0)
     m = _NAME.match(name)
@@ -234,8 +239,13 @@ QUANT_FORMATS = ("q8r", "q8g32", "q8g64", "q8g128", "q4g32", "q4g64", "q4g128", 
 FLOAT_FORMATS = ("f32", "f16", "bf16")
 
 
+#: Formats read from checkpoints as they are (never chosen by a quantization policy).
+IMPORTED_FORMATS = ("mxfp4",)
+
+
 def is_quantized(name: str) -> bool:
-    return name in QUANT_FORMATS
+    """Whether ``name`` is a packed format (``QuantizedTensor`` codes and scales), not a float one."""
+    return name in QUANT_FORMATS or name in IMPORTED_FORMATS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,3 +381,139 @@ def _unpack(fmt: QuantFormat, data: np.ndarray, shape: tuple[int, int]) -> Quant
         z = blocks[:, n_code + n_scale:n_code + n_scale + R * ng * 2].copy().view(np.float16)
         mins = np.ascontiguousarray(z.reshape(n_blocks, ng, R).transpose(0, 2, 1).reshape(-1, ng)[:N])
     return QuantizedTensor(fmt.name, shape, codes, scales, zeros, mins)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 (OCP Microscaling FP4): e2m1 elements in blocks of 32 sharing an e8m0 power-of-two scale
+#: e2m1 values of the codes 0..15 (sign bit 3): transformers' ``FP4_VALUES``.
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+MXFP4_BLOCK = 32             # elements per e8m0 scale
+MXFP4_BLOCK_BYTES = 16       # two e2m1 codes per byte
+E8M0_BIAS = 127              # an e8m0 byte s stands for 2^(s - 127)
+
+
+@dataclass(frozen=True)
+class MXFP4Format(QuantFormat):
+    """GPT-OSS's MXFP4 tensors, kept as the checkpoint stores them.
+
+    A matrix ``W[..., N, K]`` (K a multiple of 32) is two tensors: ``*_blocks`` uint8
+    ``[..., N, K/32, 16]``, byte j of a block holding element 2j in its low nibble and element
+    2j + 1 in its high nibble, and ``*_scales`` uint8 ``[..., N, K/32]`` (e8m0). Its value is,
+    exactly (transformers' ``convert_moe_packed_tensors``: a table lookup and ``ldexp``),
+
+        W[n, k] = E2M1_VALUES[code(n, k)] * 2^(scales[n, k // 32] - 127)
+
+    The packed bytes (``weights.bin``) are the blocks tensor followed by the scales tensor, byte
+    for byte: expert e's blocks start at ``e * N * K / 2``, its scales at
+    ``E * N * K / 2 + e * N * K / 32``. ``QuantizedTensor.codes`` holds the blocks,
+    ``scales`` the e8m0 bytes; both keep the checkpoint's shapes (memory-mapped).
+    """
+
+    def padded_k(self, K: int) -> int:
+        return K
+
+    def groups(self, K: int) -> int:
+        return K // MXFP4_BLOCK
+
+    @property
+    def segment_groups(self) -> int:
+        return 0
+
+    def block_bytes(self, K: int) -> int:
+        raise InfengError("mxfp4 has no blocks of 16 rows: its rows are the checkpoint's")
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        *outer, K = shape
+        _check_mxfp4_k(K)
+        return int(np.prod(outer, dtype=np.int64)) * K // MXFP4_BLOCK * (MXFP4_BLOCK_BYTES + 1)
+
+    def padding(self, shape: tuple[int, ...]) -> dict[str, int] | None:
+        return None
+
+    def dequantize(self, qt: QuantizedTensor) -> np.ndarray:
+        """float32 ``[..., N, K]``; exact (every value is a small integer times a power of two)."""
+        blocks, scales = np.asarray(qt.codes, dtype=np.uint8), np.asarray(qt.scales, dtype=np.uint8)
+        codes = np.stack([blocks & np.uint8(0x0F), blocks >> np.uint8(4)], axis=-1)     # [..., nb, 16, 2]
+        values = E2M1_VALUES[codes].reshape(*blocks.shape[:-1], MXFP4_BLOCK)
+        exponents = scales.astype(np.int32) - E8M0_BIAS
+        out = np.ldexp(values, exponents[..., None]).astype(np.float32)
+        return np.ascontiguousarray(out.reshape(tuple(qt.shape)))
+
+    def pack(self, qt: QuantizedTensor) -> np.ndarray:
+        _check_mxfp4(qt)
+        return np.concatenate([np.asarray(qt.codes, dtype=np.uint8).reshape(-1),
+                               np.asarray(qt.scales, dtype=np.uint8).reshape(-1)])
+
+    def unpack(self, data: np.ndarray, shape: tuple[int, ...]) -> QuantizedTensor:
+        data = np.asarray(data, dtype=np.uint8)
+        if data.size != self.nbytes(tuple(shape)):
+            raise InfengError(f"mxfp4: {data.size} bytes, a {list(shape)} matrix takes {self.nbytes(tuple(shape))}")
+        *outer, K = shape
+        n_blocks = K // MXFP4_BLOCK
+        split = int(np.prod(outer, dtype=np.int64)) * n_blocks * MXFP4_BLOCK_BYTES
+        return QuantizedTensor("mxfp4", tuple(shape), data[:split].reshape(*outer, n_blocks, MXFP4_BLOCK_BYTES),
+                               data[split:].reshape(*outer, n_blocks))
+
+
+MXFP4 = MXFP4Format("mxfp4", "mxfp4", 4, MXFP4_BLOCK)
+
+
+def _check_mxfp4_k(K: int) -> None:
+    if K % MXFP4_BLOCK:
+        raise InfengError(f"mxfp4: the input dimension K = {K} is not a multiple of {MXFP4_BLOCK}")
+
+
+def _check_mxfp4(qt: QuantizedTensor) -> None:
+    *outer, K = qt.shape
+    _check_mxfp4_k(K)
+    want_blocks = (*outer, K // MXFP4_BLOCK, MXFP4_BLOCK_BYTES)
+    if tuple(np.shape(qt.codes)) != want_blocks or tuple(np.shape(qt.scales)) != want_blocks[:-1]:
+        raise InfengError(f"mxfp4: blocks {tuple(np.shape(qt.codes))} / scales {tuple(np.shape(qt.scales))} do not "
+                          f"fit shape {list(qt.shape)} (want {want_blocks} and {want_blocks[:-1]})")
+
+
+def mxfp4_tensor(blocks: np.ndarray, scales: np.ndarray) -> QuantizedTensor:
+    """The ``QuantizedTensor`` of a checkpoint's ``*_blocks`` [..., N, K/32, 16] and ``*_scales``
+    [..., N, K/32] (uint8, memory-mapped or not: they are kept, not copied)."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise InfengError(f"mxfp4: blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.ndim < 3 or blocks.shape[-1] != MXFP4_BLOCK_BYTES:
+        raise InfengError(f"mxfp4: blocks must be [..., N, K/32, {MXFP4_BLOCK_BYTES}], got {list(blocks.shape)}")
+    qt = QuantizedTensor("mxfp4", (*blocks.shape[:-2], blocks.shape[-2] * MXFP4_BLOCK), blocks, scales)
+    _check_mxfp4(qt)
+    return qt
+
+
+def mxfp4_quantize(w: np.ndarray) -> QuantizedTensor:
+    """Round float32 ``w`` [..., N, K] to MXFP4 as llama.cpp and gguf-py do: the block's scale
+    exponent is floor(log2(max |w|)) - 2 (so the largest magnitude lands on 4..8, clipped to 6), each
+    element the nearest e2m1 value (ties to the lower code). For tests and synthetic checkpoints."""
+    w = np.asarray(w, dtype=np.float32)
+    *outer, K = w.shape
+    _check_mxfp4_k(K)
+    blocks = w.reshape(-1, MXFP4_BLOCK)
+    amax = np.abs(blocks).max(axis=1)
+    with np.errstate(divide="ignore"):
+        exponent = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, np.float32(1e-38)))) - 2, -E8M0_BIAS)
+    exponent = np.clip(exponent, -E8M0_BIAS, 127).astype(np.int32)
+    scaled = blocks / np.ldexp(np.float32(1.0), exponent)[:, None].astype(np.float32)
+    codes = np.empty(blocks.shape, np.uint8)
+    for start in range(0, blocks.shape[0], 1 << 16):          # bounded temporaries
+        part = scaled[start:start + (1 << 16)]
+        codes[start:start + (1 << 16)] = np.abs(part[..., None] - E2M1_VALUES).argmin(axis=-1)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    n_blocks = K // MXFP4_BLOCK
+    return QuantizedTensor("mxfp4", tuple(w.shape), packed.reshape(*outer, n_blocks, MXFP4_BLOCK_BYTES),
+                           (exponent + E8M0_BIAS).astype(np.uint8).reshape(*outer, n_blocks))
+
+
+def mxfp4_to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """llama.cpp's ``block_mxfp4`` bytes (``e8m0`` scale, then 16 bytes: element j in the low nibble
+    of byte j, element j + 16 in the high one) of the GPT-OSS tensors: the codes moved, not
+    re-rounded (``convert_hf_to_gguf.py``'s ``transform_nibble_layout``). [..., N, K/32 * 17]."""
+    blocks = np.asarray(blocks, dtype=np.uint8)
+    codes = np.stack([blocks & np.uint8(0x0F), blocks >> np.uint8(4)], axis=-1).reshape(*blocks.shape[:-1], MXFP4_BLOCK)
+    qs = codes[..., :MXFP4_BLOCK // 2] | (codes[..., MXFP4_BLOCK // 2:] << np.uint8(4))
+    out = np.concatenate([np.asarray(scales, dtype=np.uint8)[..., None], qs.astype(np.uint8)], axis=-1)
+    return out.reshape(*blocks.shape[:-2], -1)

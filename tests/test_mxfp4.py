@@ -1,0 +1,160 @@
+"""MXFP4 (GPT-OSS's expert weights): the format against transformers' and gguf-py's dequantization,
+the linear kernels of every ISA this host runs against the dequantized product (and the scalar
+reference), and the GPT-OSS-shape checkpoint builder at a tiny scale."""
+from __future__ import annotations
+
+import functools
+
+import cffi
+import numpy as np
+import pytest
+
+import infeng_compiler.codegen.quant_kernels  # noqa: F401  (registers the kernels)
+from infeng_common.errors import InfengError
+from infeng_compiler.codegen.build import build_library
+from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
+from infeng_compiler.codegen.quant_kernels import mxfp4_rows_prototype
+from infeng_compiler.codegen.target import TARGETS, host_features
+from infeng_compiler.quant.act import fake_quant, pack_act_rows
+from infeng_compiler.quant.formats import MXFP4, get_format, is_quantized, mxfp4_quantize, mxfp4_tensor, mxfp4_to_ggml
+
+HOST = host_features()
+RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(HOST)]
+POOL_THREADS = 3
+F32_TOL = 1e-5                 # max abs error / max |reference|: only the float summation order differs
+
+# (K, N): one block, a partial group of 4 blocks (K = 96, 2880: GPT-OSS's hidden size), whole
+# groups; N odd and not a multiple of any row tile
+LINEAR_SHAPES = [(32, 7), (96, 33), (128, 16), (2880, 13), (320, 70)]
+TOKENS = [1, 2, 3, 5, 9]
+
+
+def random_mxfp4(shape: tuple[int, ...], seed: int):
+    """Random blocks and scales, every code and a spread of exponents (no e8m0 0 or 255)."""
+    rng = np.random.default_rng(seed)
+    *outer, K = shape
+    blocks = rng.integers(0, 256, size=(*outer, K // 32, 16), dtype=np.uint8)
+    scales = rng.integers(118, 130, size=(*outer, K // 32), dtype=np.uint8)
+    return mxfp4_tensor(blocks, scales)
+
+
+# -- the format --------------------------------------------------------------------------------
+def test_dequantize_matches_transformers_and_gguf() -> None:
+    torch = pytest.importorskip("torch")
+    gguf = pytest.importorskip("gguf")
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    qt = random_mxfp4((3, 40, 96), 0)
+    qt.scales[0, 0, 0], qt.scales[1, 2, 1] = 1, 200                # tiny and huge powers of two too
+    ours = qt.dequantize()
+    assert ours.shape == (3, 40, 96) and ours.dtype == np.float32
+    for dtype in (torch.float32, torch.bfloat16):                  # transformers returns [E, K, N]
+        theirs = convert_moe_packed_tensors(torch.from_numpy(qt.codes), torch.from_numpy(qt.scales), dtype=dtype)
+        assert np.array_equal(theirs.float().transpose(1, 2).numpy(), ours)
+    ggml = mxfp4_to_ggml(qt.codes, qt.scales)
+    assert ggml.shape == (3, 40, 96 // 32 * 17)
+    back = gguf.quants.dequantize(ggml, gguf.GGMLQuantizationType.MXFP4)
+    assert np.array_equal(np.asarray(back).reshape(ours.shape), ours)
+
+
+def test_pack_is_the_checkpoint_bytes() -> None:
+    qt = random_mxfp4((2, 24, 64), 1)
+    data = qt.pack()
+    assert data.size == MXFP4.nbytes((2, 24, 64)) == 2 * 24 * 2 * 17
+    assert np.array_equal(data[:qt.codes.size], qt.codes.reshape(-1))
+    assert np.array_equal(data[qt.codes.size:], qt.scales.reshape(-1))
+    back = MXFP4.unpack(data, (2, 24, 64))
+    assert np.array_equal(back.codes, qt.codes) and np.array_equal(back.scales, qt.scales)
+    assert is_quantized("mxfp4") and get_format("mxfp4") is MXFP4
+
+
+def test_quantize_rounds_like_gguf() -> None:
+    gguf = pytest.importorskip("gguf")
+    w = np.random.default_rng(2).standard_normal((16, 128)).astype(np.float32)
+    qt = mxfp4_quantize(w)
+    theirs = gguf.quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)
+    assert np.array_equal(mxfp4_to_ggml(qt.codes, qt.scales), theirs)
+
+
+def test_bad_shapes_are_one_line_errors() -> None:
+    with pytest.raises(InfengError, match="K = 40 is not a multiple of 32"):
+        mxfp4_quantize(np.zeros((4, 40), np.float32))
+    with pytest.raises(InfengError, match="blocks must be"):
+        mxfp4_tensor(np.zeros((4, 2, 8), np.uint8), np.zeros((4, 2), np.uint8))
+    with pytest.raises(InfengError, match="do not fit"):
+        mxfp4_tensor(np.zeros((4, 2, 16), np.uint8), np.zeros((4, 3), np.uint8))
+
+
+# -- kernels -----------------------------------------------------------------------------------
+def grid_specs(isa: str) -> list[KernelSpec]:
+    return [KernelSpec.make("linear_mxfp4", isa, K=K, N=N, act=act) for K, N in LINEAR_SHAPES for act in ("f32", "q8")]
+
+
+class MXFP4Lib:
+    def __init__(self, isa: str):
+        self.isa = isa
+        specs = grid_specs(isa)
+        sources, baseline = library_sources(specs, TARGETS[isa])
+        build = build_library(sources, TARGETS[isa], baseline_sources=baseline)
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(cdef(specs) + "".join(mxfp4_rows_prototype(s) + ";\n" for s in specs))
+        self.lib = self.ffi.dlopen(str(build.path))
+        self.pool = self.ffi.gc(self.lib.ife_pool_create(POOL_THREADS), self.lib.ife_pool_destroy)
+
+    def ptr(self, array: np.ndarray | None, ctype: str):
+        if array is None:
+            return self.ffi.NULL
+        assert array.flags.c_contiguous
+        return self.ffi.cast(ctype, self.ffi.from_buffer(array))
+
+
+@functools.cache
+def mxfp4_lib(isa: str) -> MXFP4Lib:
+    return MXFP4Lib(isa)
+
+
+@pytest.fixture(scope="session", params=RUNNABLE)
+def mlib(request) -> MXFP4Lib:
+    return mxfp4_lib(request.param)
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    scale = float(np.max(np.abs(ref))) or 1.0
+    return float(np.max(np.abs(got.astype(np.float64) - ref.astype(np.float64)))) / scale
+
+
+def test_every_isa_has_a_template_path() -> None:
+    for isa in TARGETS:
+        spec = KernelSpec.make("linear_mxfp4", isa, K=64, N=16, act="q8")
+        assert template_isa(spec) == ("scalar" if isa in ("scalar", "avx2", "avx2-vnni") else "avx512"), isa
+
+
+@pytest.mark.parametrize("act", ["f32", "q8"])
+@pytest.mark.parametrize("K,N", LINEAR_SHAPES)
+def test_linear_mxfp4(mlib: MXFP4Lib, K: int, N: int, act: str) -> None:
+    """y = x @ dequantize(W)^T (+ bias): f32 activations as they are, q8 ones as the int8 rows stand
+    for them (fake_quant); on every ISA and through the per-expert ``_rows`` entry too."""
+    spec = KernelSpec.make("linear_mxfp4", mlib.isa, K=K, N=N, act=act)
+    qt = random_mxfp4((N, K), K + N)
+    w = np.ascontiguousarray(qt.pack())
+    deq = qt.dequantize().astype(np.float64)
+    rng = np.random.default_rng(N)
+    bias = rng.standard_normal(N).astype(np.float32)
+    for T in TOKENS:
+        x = (rng.standard_normal((T, K)) * rng.uniform(0.1, 10, size=(T, 1))).astype(np.float32)
+        x_in = x if act == "f32" else pack_act_rows(x, 8)
+        x_ref = x if act == "f32" else fake_quant(x, 32, 8)
+        ref = x_ref.astype(np.float64) @ deq.T + bias
+        y = np.full((T, N), np.nan, np.float32)
+        getattr(mlib.lib, spec.symbol)(mlib.pool, mlib.ptr(x_in, "void *"), T, mlib.ptr(w, "uint8_t *"),
+                                       mlib.ptr(bias, "float *"), mlib.ptr(y, "float *"))
+        assert rel_err(y, ref) < F32_TOL, (mlib.isa, K, N, act, T, rel_err(y, ref))
+        # rows 1 .. N-1 of the matrix through the per-expert entry, into a wider output
+        ldy = N + 5
+        y_rows = np.full((T, ldy), np.nan, np.float32)
+        blocks, scales = np.ascontiguousarray(qt.codes), np.ascontiguousarray(qt.scales)
+        getattr(mlib.lib, spec.symbol + "_rows")(mlib.ptr(x_in, "void *"), T, mlib.ptr(blocks, "uint8_t *"),
+                                                 mlib.ptr(scales, "uint8_t *"), mlib.ffi.NULL, 1, N,
+                                                 mlib.ptr(y_rows, "float *"), ldy)
+        assert np.all(np.isnan(y_rows[:, 0])) and np.all(np.isnan(y_rows[:, N:]))
+        assert rel_err(y_rows[:, 1:N], ref[:, 1:] - bias[1:]) < F32_TOL, (mlib.isa, K, N, act, T)

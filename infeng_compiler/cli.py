@@ -559,24 +559,12 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
     """Serve MODEL over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics).
     A model that is not an artifact is compiled first with the compile options, into a
     content-addressed cache: the next start with the same model and options reuses it."""
-    from infeng_common.manifest import is_artifact
     from infeng_runtime.server import ServeOptions, serve
 
-    if is_artifact(model):
-        artifact = model
-    else:
-        from .compile import cached_artifact
-
-        if not max_adapters and (adapter or adapter_root):
-            max_adapters = max(4, len(adapter))
-        compile_opts = compile_options(target, dtype, None, max_tokens, [], [], max_adapters, max_rank, "",
-                                       tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window)
-        with progress_bar() as bar:
-            task = bar.add_task("compile", total=None)
-            artifact, hit = cached_artifact(
-                model, compile_opts, stage=lambda name: bar.update(task, description=name, completed=0, total=None),
-                progress=lambda done, total: bar.update(task, completed=done, total=total))
-        err.print(f"{'reusing' if hit else 'compiled'} {artifact}")
+    if not max_adapters and (adapter or adapter_root):
+        max_adapters = max(4, len(adapter))
+    artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
+                                 quant_policy, calib, calib_max_bytes, kv, kv_window)
     options = ServeOptions(host=host, port=port, threads=threads, max_seqs=max_seqs, max_context=max_context,
                            kv_memory=parse_size(kv_memory, "--kv-memory") if kv_memory else None,
                            max_waiting=max_queue, max_batched_tokens=max_batched_tokens,
@@ -591,6 +579,96 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
     options.speculative = parse_speculative(speculative)
     options.check()
     serve(artifact, options)
+
+
+def _serving_artifact(model: Path, target: str, dtype: DType | None, max_tokens: int, max_adapters: int,
+                      max_rank: int, tokenizer: Path | None, quant: QuantPreset | None, quant_policy: Path | None,
+                      calib: Path | None, calib_max_bytes: int | None, kv: KVScheme, kv_window: int) -> Path:
+    """MODEL itself if it is an artifact; else MODEL compiled into the artifact cache (reused when
+    the same model and options were compiled before), as ``serve`` and ``serve-ray`` do."""
+    from infeng_common.manifest import is_artifact
+
+    if is_artifact(model):
+        return model
+    from .compile import cached_artifact
+
+    compile_opts = compile_options(target, dtype, None, max_tokens, [], [], max_adapters, max_rank, "",
+                                   tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window)
+    with progress_bar() as bar:
+        task = bar.add_task("compile", total=None)
+        artifact, hit = cached_artifact(
+            model, compile_opts, stage=lambda name: bar.update(task, description=name, completed=0, total=None),
+            progress=lambda done, total: bar.update(task, completed=done, total=total))
+    err.print(f"{'reusing' if hit else 'compiled'} {artifact}")
+    return artifact
+
+
+@app.command("serve-ray")
+@fails_cleanly
+def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact, or a model compiled into the "
+                                                               "artifact cache first (every node must see the path)"),
+                      replicas: int = typer.Option(1, "--replicas", help="engine replicas (the initial count when "
+                                                                          "autoscaling)"),
+                      min_replicas: Optional[int] = typer.Option(None, "--min-replicas",
+                                                                 help="autoscale down to this many replicas"),
+                      max_replicas: Optional[int] = typer.Option(None, "--max-replicas",
+                                                                 help="autoscale up to this many replicas"),
+                      target_ongoing_requests: Optional[float] = typer.Option(
+                          None, "--target-ongoing-requests",
+                          help="autoscaling target of requests in flight per replica (default: --max-seqs)"),
+                      threads_per_replica: int = typer.Option(1, "--threads-per-replica",
+                                                              help="CPUs Ray reserves per replica = its threads"),
+                      address: Optional[str] = typer.Option(None, "--address",
+                                                            help="join this Ray cluster (default: start one here)"),
+                      adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: a LoRA adapter requests "
+                                                                           "may name as model NAME (repeatable)"),
+                      adapters_per_replica: Optional[int] = typer.Option(
+                          None, "--adapters-per-replica",
+                          help="adapters resident per replica, least recently used evicted (default: the "
+                               "artifact's slots)"),
+                      host: str = typer.Option("127.0.0.1", "--host", help="bind address of Ray's HTTP proxy"),
+                      port: int = typer.Option(8000, "--port"),
+                      max_seqs: int = typer.Option(16, "--max-seqs", help="sequences batched per replica"),
+                      max_context: Optional[int] = typer.Option(None, "--max-context",
+                                                                help="tokens per sequence (default: the model's)"),
+                      max_queue: int = typer.Option(256, "--max-queue",
+                                                    help="waiting sequences per replica before 429"),
+                      served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                                      help="the base model's id in the API"),
+                      api_key: Optional[str] = typer.Option(None, "--api-key", envvar="INFENG_API_KEY",
+                                                            help="require 'Authorization: Bearer KEY' on /v1"),
+                      max_request_bytes: str = typer.Option("4MiB", "--max-request-bytes",
+                                                            help="largest request body (413 beyond it)"),
+                      target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
+                      max_adapters: int = typer.Option(0, "--max-adapters", min=0,
+                                                       help="LoRA slots when compiling MODEL (default: 4 with "
+                                                            "--adapter)"),
+                      max_rank: int = MAX_RANK, tokenizer: Optional[Path] = TOKENIZER,
+                      quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
+                      calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
+                      kv: KVScheme = KV, kv_window: int = KV_WINDOW):
+    """Serve MODEL on Ray Serve: engine replicas behind one OpenAI router, adapters placed on
+    replicas by Ray's model multiplexing, autoscaling on requests in flight (docs/scale-out.md).
+    Starts a Ray cluster here, or joins --address; serves until SIGINT/SIGTERM."""
+    try:
+        from infeng_runtime.ray_serve import RayServeConfig, deploy
+    except ImportError as e:
+        raise InfengError(f"serve-ray needs Ray Serve: pip install 'infeng[ray]' ({e})") from None
+    from infeng_runtime.server import ServeOptions
+
+    if not max_adapters and adapter:
+        max_adapters = max(4, len(adapter))
+    artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
+                                 quant_policy, calib, calib_max_bytes, kv, kv_window)
+    options = ServeOptions(host=host, port=port, threads=threads_per_replica, max_seqs=max_seqs,
+                           max_context=max_context, max_waiting=max_queue, served_model_name=served_model_name,
+                           adapters=parse_named_paths(adapter, "--adapter"), api_key=api_key,
+                           max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"))
+    config = RayServeConfig(artifact, options, replicas=replicas, min_replicas=min_replicas,
+                            max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
+                            threads_per_replica=threads_per_replica, adapters_per_replica=adapters_per_replica)
+    config.check()
+    deploy(config, address=address)
 
 
 @app.command("export")

@@ -26,7 +26,7 @@ from infeng_compiler.codegen.lower import align, weight_nbytes
 from infeng_compiler.evaluate import perplexity
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter
-from infeng_compiler.passes.manager import PassManager, parse_pipeline
+from infeng_compiler.passes.manager import PassContext, PassManager, parse_pipeline
 from infeng_runtime.tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
@@ -111,7 +111,7 @@ def main() -> None:
     for text in args.pipelines:
         pipeline = text.format(calib=calib, pad=pad)
         graph = import_hf(MODEL)
-        ctx = {"model_dir": MODEL}
+        ctx = PassContext(model_dir=MODEL)
         PassManager(parse_pipeline(pipeline)).run(graph, ctx)
         it = Interpreter(graph)
         results = []
@@ -124,7 +124,7 @@ def main() -> None:
         row = dict(config=text.format(calib="calib.txt", pad="pad.json"), ppl=round(r.ppl, 4), base_ppl=round(r.base_ppl, 4),
                    drift_pct=round(100 * (r.ppl / r.base_ppl - 1), 3), kld=round(r.kld, 6), top1=round(r.top1, 4),
                    bytes=nbytes, bpw=round(8 * nbytes / params, 3),
-                   formats={f["format"]: f["bpw"] for f in ctx["quant_report"].by_format()})
+                   formats={f["format"]: f["bpw"] for f in ctx.quant_report.by_format()})
         if args.slices:
             drifts = [100 * (s.ppl / s.base_ppl - 1) for s in results[1:]]
             row.update(slice_drifts_pct=[round(d, 2) for d in drifts], slice_drift_mean_pct=round(float(np.mean(drifts)), 3),

@@ -229,9 +229,9 @@ def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0,
         raise InfengError(f"{model}: an ONNX model carries no tokenizer; give --tokenizer DIR")
     tokenizer = Tokenizer(source.tokenizer_dir, graph.meta.get("bos_token_id"), graph.meta.get("eos_token_ids"))
     if quantize is not None:
-        from .passes.manager import PassManager
+        from .passes.manager import PassContext, PassManager
 
-        PassManager([quantize]).run(graph, {"tokenizer": tokenizer, "model_dir": source.tokenizer_dir})
+        PassManager([quantize]).run(graph, PassContext(tokenizer=tokenizer, model_dir=source.tokenizer_dir))
     return Interpreter(graph), tokenizer
 
 

@@ -29,7 +29,7 @@ from .frontends import ONNX_PIPELINE, ModelSource, import_model, model_source
 from .frontends.peft import LoraAdapter, load_adapter
 from .ir import Graph, print_graph
 from .passes.kv_cache import kv_entry, kv_summary
-from .passes.manager import PassManager, PassRecord, format_pipeline, parse_pipeline
+from .passes.manager import PassContext, PassManager, PassRecord, format_pipeline, parse_pipeline
 from .passes.quantize import QuantReport, quant_layout, quantize_entry
 
 DEFAULT_MAX_TOKENS = 256
@@ -118,7 +118,7 @@ class PassedGraph:
     adapters: dict[str, LoraAdapter]
     pipeline: list[tuple[str, list[str]]]
     manager: PassManager
-    context: dict[str, Any]                 # the passes' context (e.g. "quant_report")
+    context: PassContext                    # what the passes read and reported (quant_report, ...)
 
 
 def run_pipeline(model: str | Path, options: CompileOptions, after: Callable[[str, Graph], None] | None = None,
@@ -131,7 +131,7 @@ def run_pipeline(model: str | Path, options: CompileOptions, after: Callable[[st
     adapters = timed("adapters", lambda: {name: load_adapter(path, graph, name) for name, path in options.lora.items()})
     pipeline = options.pipeline(adapters, graph)
     manager = PassManager(pipeline, dump_dir=options.dump_ir)
-    context = {"adapters": adapters, "model_dir": source.tokenizer_dir}
+    context = PassContext(adapters=adapters, model_dir=source.tokenizer_dir)
     timed("passes", lambda: manager.run(graph, context, after=after))
     return PassedGraph(graph, source, adapters, pipeline, manager, context)
 
@@ -227,7 +227,7 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
     graph, source, adapters, pipeline, manager = (passed.graph, passed.source, passed.adapters, passed.pipeline,
                                                   passed.manager)
     model_dir = source.tokenizer_dir
-    quant = passed.context.get("quant_report")
+    quant = passed.context.quant_report
     lowered = timed("lower", lambda: lower(graph, target, max_tokens=options.max_tokens,
                                            block_size=options.block_size))
     sources, baseline = timed("render", lambda: render_sources(lowered, options.profile))

@@ -30,7 +30,7 @@ from infeng_compiler.compile import CompileOptions, compile_model  # noqa: E402
 from infeng_compiler.frontends import gguf as gguf_frontend  # noqa: E402
 from infeng_compiler.frontends import import_model, model_source  # noqa: E402
 from infeng_compiler.interp import Interpreter  # noqa: E402
-from infeng_compiler.passes.manager import PassManager  # noqa: E402
+from infeng_compiler.passes.manager import PassContext, PassManager  # noqa: E402
 from infeng_compiler.quant.formats import get_format  # noqa: E402
 from infeng_runtime.engine import Engine  # noqa: E402
 from infeng_runtime.tokenizer import Tokenizer  # noqa: E402
@@ -184,7 +184,7 @@ def test_smollm2_logits_match_transformers(smollm2: Path, smollm2_reference, smo
     _assert_all_close(batch_logits(Interpreter(import_model(smollm2)), prompts, decode), expected, RTOL,
                       "interpreter")
     compiled_graph = import_model(smollm2)
-    PassManager(CompileOptions(target="native", dtype="f32").pipeline(graph=compiled_graph)).run(compiled_graph, {})
+    PassManager(CompileOptions(target="native", dtype="f32").pipeline(graph=compiled_graph)).run(compiled_graph)
     assert "quantize_act" not in [n.op for n in compiled_graph.nodes]
     assert {w.format for w in compiled_graph.weights.values()} == {"f32"}
     interpreted = batch_logits(Interpreter(compiled_graph), prompts, decode)
@@ -345,7 +345,7 @@ def test_exact_formats_bit_for_bit(hf_checkpoint, tmp_path: Path, qtype: str, fm
     assert np.array_equal(unpacked.codes, codes) and np.array_equal(unpacked.scales, scales)
     assert mins is None or np.array_equal(unpacked.mins, mins)
     lowered = import_model(path)
-    PassManager(options.pipeline(graph=lowered)).run(lowered, {})
+    PassManager(options.pipeline(graph=lowered)).run(lowered)
     assert {w.format for n in lowered.nodes if n.op in ("linear", "logits") for w in n.weights[:1]} == {fmt}
     want = batch_logits(Interpreter(lowered), PROMPTS, DECODE)
     _assert_all_close(batch_logits(Engine(artifact, threads=2, max_seqs=2), PROMPTS, DECODE), want, rel, "compiled")
@@ -357,12 +357,12 @@ def test_quantize_keeps_prequantized_weights(hf_checkpoint, tmp_path: Path) -> N
     path = gguf_from_hf(hf_checkpoint("llama"), tmp_path / "mixed.gguf", "F32", embed_type="Q8_0")
     graph = import_model(path)
     before = graph.weights["model.embed_tokens.weight"].quantized()
-    ctx: dict = {}
+    ctx = PassContext()
     PassManager(CompileOptions(quant="int4").pipeline()).run(graph, ctx)
     embed = graph.weights["model.embed_tokens.weight"]
     assert embed.format == "q8g32" and embed.quantized() is before
     assert graph.weights["model.layers.0.self_attn.o_proj.weight"].format == "q4g32"
-    rules = {t.name: t.rule for t in ctx["quant_report"].tensors}
+    rules = {t.name: t.rule for t in ctx.quant_report.tensors}
     assert rules["model.embed_tokens.weight"] == "kept: GGUF Q8_0"
 
 

@@ -38,7 +38,7 @@ from infeng_compiler.interp import Interpreter, KVStore, Step
 from infeng_compiler.ir import parse, print_graph
 from infeng_compiler.ir.ops import REGISTRY
 from infeng_compiler.passes.kv_cache import kv_entry
-from infeng_compiler.passes.manager import PassManager, parse_pipeline
+from infeng_compiler.passes.manager import PassContext, PassManager, parse_pipeline
 from infeng_compiler.quant import kv as kvq
 from infeng_runtime.engine import Engine
 
@@ -222,7 +222,7 @@ def test_calib_centres_k(tmp_path, pass_name):
     text = tmp_path / "calib.txt"
     text.write_text("the quick brown fox jumps over the lazy dog, " * 8)
     after = one_layer()
-    PassManager(parse_pipeline(f"{pass_name}(int8,calib={text},calib_ctx=16)")).run(after, {"tokenizer": ByteTokenizer()})
+    PassManager(parse_pipeline(f"{pass_name}(int8,calib={text},calib_ctx=16)")).run(after, PassContext(tokenizer=ByteTokenizer()))
     assert attention_line(after).startswith("%a = attention(%qr, %kr, %v, %positions, @a.k_mean) : f32[T,16]")
     assert "weight @a.k_mean : f32[8] {inline=true}" in print_graph(after)
 

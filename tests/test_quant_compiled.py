@@ -14,7 +14,7 @@ import pytest
 from infeng_compiler.compile import CompileOptions, compile_model
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter
-from infeng_compiler.passes.manager import PassManager
+from infeng_compiler.passes.manager import PassContext, PassManager
 from infeng_runtime.engine import Engine
 from infeng_runtime.tokenizer import Tokenizer
 
@@ -47,7 +47,7 @@ def artifacts(stories_dir, tmp_path_factory):
 
 def interpreter_logits(stories_dir, preset: str, ids: np.ndarray) -> np.ndarray:
     g = import_hf(stories_dir)
-    PassManager([("quantize", [preset])]).run(g, {})
+    PassManager([("quantize", [preset])]).run(g)
     n = len(ids)
     return Interpreter(g).step(ids, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
 
@@ -101,7 +101,7 @@ def test_other_families(hf_checkpoint, tmp_path, family: str, preset: str) -> No
     tokens = np.array([1, 17, 3, 99, 42, 7, 250, 5, 61, 2, 33, 8], np.int32)
     n = len(tokens)
     g = import_hf(model)
-    PassManager([("quantize", [preset])]).run(g, {})
+    PassManager([("quantize", [preset])]).run(g)
     ref = Interpreter(g).step(tokens, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
     got = Engine(out).step(tokens, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
     assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-3
@@ -127,7 +127,7 @@ def test_quantized_base_with_lora_slots(hf_checkpoint, tmp_path) -> None:
     slot = engine.load_adapter("a", tmp_path / "a")
     g = import_hf(base)
     adapters = {"a": load_adapter(tmp_path / "a", g, "a")}
-    PassManager(options.pipeline(adapters)).run(g, {"adapters": adapters})
+    PassManager(options.pipeline(adapters)).run(g, PassContext(adapters=adapters))
     interp = Interpreter(g)
     interp.load_adapter(slot, adapters["a"])
     tokens = np.array([1, 17, 3, 99, 42, 7, 250, 5], np.int32)
@@ -151,7 +151,7 @@ def test_scale_and_minimum_int4_matches_interpreter(stories_dir, tmp_path, targe
     ids = np.array(Tokenizer(stories_dir, 1, [2]).encode(STORY, add_bos=True), np.int32)
     n = len(ids)
     g = import_hf(stories_dir)
-    PassManager([("quantize", ["int4", f"policy={policy}"])]).run(g, {})
+    PassManager([("quantize", ["int4", f"policy={policy}"])]).run(g)
     assert "q4g32m" in {w.attrs.get("format") for w in g.weights.values()}
     ref = Interpreter(g).step(ids, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
     got = Engine(out, max_seqs=1).step(ids, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))

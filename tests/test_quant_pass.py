@@ -15,7 +15,7 @@ from infeng_common.errors import InfengError
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter
 from infeng_compiler.ir import parse, print_graph
-from infeng_compiler.passes.manager import PassManager, parse_pipeline
+from infeng_compiler.passes.manager import PassContext, PassManager, parse_pipeline
 from infeng_compiler.passes.quantize import Quantize
 from infeng_compiler.quant.awq import apply_awq
 from infeng_compiler.quant.calibrate import collect
@@ -67,8 +67,7 @@ def assert_checks(text: str, checks: str) -> None:
         i += 1
 
 
-def run(graph, pipeline: str, ctx: dict | None = None):
-    ctx = {} if ctx is None else ctx
+def run(graph, pipeline: str, ctx: PassContext | None = None):
     PassManager(parse_pipeline(pipeline)).run(graph, ctx)
     return graph
 
@@ -153,7 +152,7 @@ def test_numerics_within_declared_tolerance(stories_dir, preset: str) -> None:
     before = logits(import_hf(stories_dir), ids)
     p = Quantize(preset)
     g = import_hf(stories_dir)
-    PassManager([("quantize", [preset])]).run(g, {})
+    PassManager([("quantize", [preset])]).run(g)
     after = logits(g, ids)
     assert 0 < rel_change(before, after) <= p.tolerance, (preset, rel_change(before, after))
     assert (after.argmax(axis=1) == before.argmax(axis=1)).mean() >= (0.9 if preset == "int4" else 0.97)
@@ -181,9 +180,9 @@ def test_calibration_folds_awq_and_reports(stories_dir, assets, tmp_path: Path) 
     text = (assets / "text" / "wikitext-2-raw-v1-test.txt").read_bytes()[200_000:212_000]
     calib = tmp_path / "calib.txt"
     calib.write_bytes(text)
-    ctx = {"model_dir": stories_dir}
+    ctx = PassContext(model_dir=stories_dir)
     g = run(import_hf(stories_dir), f"quantize(int4,calib={calib},calib_ctx=128)", ctx)
-    report = ctx["quant_report"]
+    report = ctx.quant_report
     assert report.calib_tokens >= 128 and report.awq
     assert all(a["loss_after"] < a["loss_before"] for a in report.awq)
     assert {r["format"] for r in report.by_format()} == {"q8r", "q4g32"}

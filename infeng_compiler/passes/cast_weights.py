@@ -11,12 +11,12 @@ which the printer shows, the interpreter honours (it rounds through the format) 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar
 
 from infeng_common.errors import InfengError
 
 from ..ir import Graph
-from .manager import register
+from .manager import PassContext, register
 
 FORMATS = ("f32", "f16", "bf16")
 
@@ -26,7 +26,7 @@ class CastWeights:
     name = "cast-weights"
     #: max |logits change| / max |logit| allowed per format. bf16 keeps 8 significant bits: on the
     #: tests' random models (weights of std 0.2) it moves logits by about 4%; f16 by about 0.3%.
-    TOLERANCE = {"f32": 0.0, "f16": 1e-2, "bf16": 6e-2}
+    TOLERANCE: ClassVar[dict[str, float]] = {"f32": 0.0, "f16": 1e-2, "bf16": 6e-2}
 
     def __init__(self, dtype: str = "f32", which: str = "float"):
         if dtype not in FORMATS:
@@ -37,7 +37,7 @@ class CastWeights:
         self.dtype, self.widen_imported = dtype, which == "all"
         self.tolerance = self.TOLERANCE[dtype]
 
-    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
         changed = False
         for w in graph.weights.values():
             if w.attrs.get("prequantized"):

@@ -1,8 +1,13 @@
-"""Imports every pass module so that each registers itself with the pass manager."""
-from . import cast_weights  # noqa: F401
-from . import merge_lora  # noqa: F401
-from . import lora_slots  # noqa: F401
-from . import kv_cache  # noqa: F401
-from . import dce, fold_shapes, raise_ops  # noqa: F401  (ONNX import)
-from . import quantize  # noqa: F401
-from . import fuse_linears  # noqa: F401
+"""Imports every pass module so that each registers itself with the pass manager (``dce``,
+``fold-shapes`` and ``raise`` serve the ONNX import; the others the compile pipeline)."""
+from . import (  # noqa: F401
+    cast_weights,
+    dce,
+    fold_shapes,
+    fuse_linears,
+    kv_cache,
+    lora_slots,
+    merge_lora,
+    quantize,
+    raise_ops,
+)

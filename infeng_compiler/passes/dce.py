@@ -1,10 +1,8 @@
 """Pass ``dce``: remove nodes whose results nobody reads, and weights no node uses."""
 from __future__ import annotations
 
-from typing import Any
-
 from ..ir import Graph
-from .manager import register
+from .manager import PassContext, register
 from .rewrite import dead_code_elimination
 
 
@@ -13,5 +11,5 @@ class DeadCodeElimination:
     name = "dce"
     tolerance = 0.0
 
-    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
         return dead_code_elimination(graph)

@@ -13,14 +13,12 @@ the length at two lengths is affine at all lengths.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ..frontends.onnx import INLINE_LIMIT, PROBE_LENGTHS
 from ..ir import Graph, TensorType, Weight
-from .manager import register
-from .rewrite import evaluate, length_only_values, make_node, place, weight_derived_values, dead_code_elimination
+from .manager import PassContext, register
+from .rewrite import dead_code_elimination, evaluate, length_only_values, make_node, place, weight_derived_values
 
 #: Folded constants up to this many elements are inline values; larger ones become inline weights.
 _MAX_FOLD = 1 << 16
@@ -31,7 +29,7 @@ class FoldShapes:
     name = "fold-shapes"
     tolerance = 0.0
 
-    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
         static = length_only_values(graph) - weight_derived_values(graph)
         wanted = {v.name for n in graph.nodes if n.op != "const" for v in n.outputs if v.name in static}
         if not wanted:

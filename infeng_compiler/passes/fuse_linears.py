@@ -21,13 +21,12 @@ default pipeline; a quantized weight is stacked code for code, scales and zero p
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numpy as np
 
 from ..ir import Graph, Node, Weight
 from ..quant.formats import QuantizedTensor, is_quantized
-from .manager import register
+from .manager import PassContext, register
 
 
 @register("fuse-linears")
@@ -35,7 +34,7 @@ class FuseLinears:
     name = "fuse-linears"
     tolerance = 1e-5   # relative: the same dot products, possibly summed in another order
 
-    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
         siblings: dict[tuple, list[Node]] = {}
         for node in graph.nodes:
             if node.op == "linear":

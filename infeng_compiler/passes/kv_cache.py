@@ -43,7 +43,7 @@ from infeng_common.errors import InfengError
 from ..ir import Graph, Node, TensorType, Weight
 from ..quant.calibrate import calibration_args
 from ..quant.kv import KV_FORMATS, QUANTIZED, check_format, default_group, hadamard, is_power_of_two
-from .manager import register
+from .manager import PassContext, register
 
 #: max |logits change| / max |logit| per KV format, measured on the tests' random models (weights of
 #: std 0.2, peaky attention) with margin: f16 about 1e-3, int8 about 1e-2, int4 about 0.1.
@@ -125,7 +125,7 @@ class KVFormat:
         check_format(self.v_format, hd, attrs.get("kv_group"), where)
         return attrs
 
-    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
         changed = self.centre_k(graph, ctx) if self.calib else False
         for node in graph.find("attention"):
             new = self.attrs_for(node)
@@ -137,19 +137,19 @@ class KVFormat:
                 changed = True
         return changed
 
-    def centre_k(self, graph: Graph, ctx: dict[str, Any]) -> bool:
+    def centre_k(self, graph: Graph, ctx: PassContext) -> bool:
         """Give every attention node the mean k row of the calibration text as its ``k_mean``
         (in the space the cache stores: after RoPE, rotated when ``rotate_qk``). Runs on the graph
         as it is before this pass sets formats (float32 caches); a node that has one keeps it."""
-        from ..quant.calibrate import calibration_ids, calibration_tokenizer, value_means
+        from ..quant.calibrate import calibration_ids, value_means
 
         nodes = [n for n in graph.find("attention") if not n.weights]
         if not nodes:
             return False
         ctx_tokens = min(self.calib_ctx, int(graph.meta.get("max_position_embeddings") or self.calib_ctx))
-        chunks = calibration_ids(calibration_tokenizer(graph, ctx, self.name), self.calib, self.calib_max_bytes,
+        chunks = calibration_ids(ctx.calibration_tokenizer(graph, self.name), self.calib, self.calib_max_bytes,
                                  ctx_tokens)
-        means = value_means(graph, chunks, {n.inputs[1].name for n in nodes}, progress=ctx.get("progress"))
+        means = value_means(graph, chunks, {n.inputs[1].name for n in nodes}, progress=ctx.progress)
         for node in nodes:
             kvh, hd = node.attrs["n_kv_heads"], node.attrs["head_dim"]
             mean = means[node.inputs[1].name].reshape(kvh, hd)
@@ -159,7 +159,7 @@ class KVFormat:
             graph.weights.pop(name, None)
             node.weights = [graph.add_weight(Weight(name, TensorType("f32", (kvh * hd,)),
                                                     array=np.ascontiguousarray(mean.reshape(-1), dtype=np.float32)))]
-        ctx["kv_calib_tokens"] = int(chunks.size)
+        ctx.kv_calib_tokens = int(chunks.size)
         return True
 
 
@@ -171,7 +171,7 @@ class FhtKV:
         self.formats = KVFormat(*args) if args else None
         self.tolerance = 1e-5 + (self.formats.tolerance if self.formats else 0.0)
 
-    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
         changed = False
         for node in list(graph.find("attention")):
             if node.attrs.get("rotate_qk"):

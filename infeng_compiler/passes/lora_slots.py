@@ -7,12 +7,10 @@ are loaded into slots at run time (``Engine.load_adapter``) without recompiling.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from infeng_common.errors import InfengError
 
 from ..ir import Graph, TensorType
-from .manager import register
+from .manager import PassContext, register
 
 
 @register("lora-slots")
@@ -33,7 +31,7 @@ class LoraSlots:
         module = weight_name.split("+")[0].removesuffix(".weight")
         return not self.targets or any(module == t or module.endswith("." + t) for t in self.targets)
 
-    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
         if any(v.name == "adapter_slots" for v in graph.inputs):
             return False
         nodes = [n for n in graph.nodes if n.op == "linear" and self.wanted(n.weights[0].name)]

@@ -2,26 +2,70 @@
 verified and timed after each pass and optionally dumped as ``NN-<pass>.ir``.
 
     pipeline = parse_pipeline("cast-weights(f16)")
-    PassManager(pipeline, dump_dir="dumps").run(graph)
+    PassManager(pipeline, dump_dir="dumps").run(graph, PassContext(model_dir=Path("model")))
+
+A pass reads the graph, its own arguments (the pipeline entry) and the ``PassContext``: the inputs
+that are not pipeline text (loaded adapters, the tokenizer calibration encodes with, a progress
+callback) and the typed reports passes leave for the driver (the quantization report, calibration
+token counts). Nothing else travels between passes.
 """
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from infeng_common.errors import InfengError
+from infeng_common.peft import LoraAdapter
 
 from ..ir import Graph, print_graph, verify
+
+if TYPE_CHECKING:
+    from .quantize import QuantReport
+
+
+class CalibrationTokenizer(Protocol):
+    """What calibration needs of a tokenizer (``infeng_runtime.tokenizer.Tokenizer`` has it)."""
+
+    bos_token_id: int | None
+
+    def encode(self, text: str, add_bos: bool | None = ...) -> list[int]: ...
+
+
+@dataclass
+class PassContext:
+    """What a pass may read besides the graph and its arguments, and what passes report back."""
+
+    # inputs
+    adapters: dict[str, LoraAdapter] = field(default_factory=dict)   # name -> adapter (merge-lora)
+    tokenizer: CalibrationTokenizer | None = None     # encodes calibration text; None: built from model_dir
+    model_dir: Path | None = None                     # the model's tokenizer files
+    progress: Callable[[int, int], None] | None = None   # (chunks done, chunks) during calibration
+    # reports
+    quant_report: QuantReport | None = None           # quantize: formats, bytes, AWQ scales
+    calib_tokens: int = 0                             # quantize: calibration tokens run
+    kv_calib_tokens: int = 0                          # kv-format: calibration tokens run for K centring
+
+    def calibration_tokenizer(self, graph: Graph, where: str) -> CalibrationTokenizer:
+        """The tokenizer a pass calibrates with: ``tokenizer``, else the one in ``model_dir``."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if self.model_dir is None:
+            raise InfengError(f"{where}: calibration needs the model's tokenizer; run it from infeng compile/eval "
+                              "(PassContext.model_dir or PassContext.tokenizer)")
+        from infeng_runtime.tokenizer import Tokenizer
+
+        return Tokenizer(Path(self.model_dir), graph.meta.get("bos_token_id"), graph.meta.get("eos_token_ids"))
 
 
 class Pass(Protocol):
     name: str
     tolerance: float          # max relative change of the logits the pass may introduce
 
-    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool: ...
+    def run(self, graph: Graph, ctx: PassContext) -> bool: ...
 
 
 #: pass name -> factory taking the positional arguments of the pipeline entry.
@@ -84,9 +128,9 @@ class PassManager:
         if unknown:
             raise InfengError(f"unknown pass {unknown[0]!r}; known passes: {', '.join(sorted(PASSES))}")
 
-    def run(self, graph: Graph, ctx: dict[str, Any] | None = None,
+    def run(self, graph: Graph, ctx: PassContext | None = None,
             after: Callable[[str, Graph], None] | None = None) -> Graph:
-        ctx = ctx if ctx is not None else {}
+        ctx = ctx if ctx is not None else PassContext()
         if self.dump_dir:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
             (self.dump_dir / "00-input.ir").write_text(print_graph(graph))

@@ -1,15 +1,13 @@
 """Pass ``merge-lora(NAME)``: fold adapter NAME into the base weights, W' = W + s*B*A (DoRA: each
 row rescaled to its magnitude), computed in float64 from the f32 weights, before any
-quantization. The adapter comes from ``ctx["adapters"][NAME]`` (``frontends.peft.load_adapter``).
+quantization. The adapter comes from ``PassContext.adapters[NAME]`` (``frontends.peft.load_adapter``).
 """
 from __future__ import annotations
-
-from typing import Any
 
 from infeng_common.errors import InfengError
 
 from ..ir import Graph, Weight
-from .manager import register
+from .manager import PassContext, register
 
 
 @register("merge-lora")
@@ -20,8 +18,8 @@ class MergeLora:
     def __init__(self, adapter: str):
         self.adapter = adapter
 
-    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
-        adapters = ctx.get("adapters", {})
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
+        adapters = ctx.adapters
         if self.adapter not in adapters:
             raise InfengError(f"merge-lora: no adapter named {self.adapter!r} was given "
                               f"(known: {', '.join(adapters) or 'none'}; pass --lora NAME=DIR)")

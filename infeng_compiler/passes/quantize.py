@@ -26,7 +26,8 @@ What it does, in order:
    weights, int16 per token for int8 weights (int8 activations would double int8's error).
 
 The interpreter then computes what the compiled model computes, up to the order of accumulation.
-A summary of formats and bytes is left in ``ctx["quant_report"]``.
+A summary of formats and bytes is left in ``PassContext.quant_report`` (the calibration token count in
+``PassContext.calib_tokens``).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -46,7 +47,7 @@ from ..quant.calibrate import calibration_args
 from ..quant.formats import get_format, is_quantized
 from ..quant.policy import GROUPS, PRESETS, QuantPolicy, check_format
 from ..quant.search import quantize
-from .manager import register
+from .manager import PassContext, register
 
 _MATMUL_OPS = ("linear", "lora_linear", "logits")
 _FLAGS = {"asym"}
@@ -110,7 +111,7 @@ class Quantize:
     #: trained model; random-init models are chaotic and amplify any rounding): int8 moves logits by
     #: 1.4%, fp8 by 4.8%, int4 by 28% (measured, then about doubled). Perplexity, KL divergence and
     #: top-1 agreement are in docs/quantization.md.
-    TOLERANCE = {"int8": 3e-2, "fp8": 0.1, "int4": 0.5}
+    TOLERANCE: ClassVar[dict[str, float]] = {"int8": 3e-2, "fp8": 0.1, "int4": 0.5}
 
     def __init__(self, *args: str):
         self.args = list(args)
@@ -149,7 +150,7 @@ class Quantize:
         family = preset or _family(self.policy.default)
         self.tolerance = self.TOLERANCE.get(family, self.TOLERANCE["int4"])
 
-    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
         # weights imported quantized (GGUF Q8_0/Q4_0) keep their codes: no second quantization
         kept = {name for name, w in graph.weights.items() if w.attrs.get("prequantized")}
         assignment = {name: a for name, a in self.policy.assign(graph).items() if name not in kept}
@@ -161,13 +162,13 @@ class Quantize:
             from ..quant.awq import apply_awq
             from ..quant.calibrate import calibration_ids, collect
 
-            chunks = calibration_ids(_tokenizer(graph, ctx), self.calib, self.calib_max_bytes,
+            chunks = calibration_ids(ctx.calibration_tokenizer(graph, self.name), self.calib, self.calib_max_bytes,
                                      min(self.calib_ctx, int(graph.meta.get("max_position_embeddings") or self.calib_ctx)))
-            stats = collect(graph, chunks, progress=ctx.get("progress"))
+            stats = collect(graph, chunks, progress=ctx.progress)
             if self.awq:
                 quantized = {n: a.format for n, a in assignment.items() if is_quantized(a.format)}
                 awq_done = apply_awq(graph, stats, quantized)
-            ctx["calib_tokens"] = int(chunks.size)
+            ctx.calib_tokens = int(chunks.size)
         grams = _grams(graph, stats) if stats else {}
 
         def quantize_weight(name: str, fmt: str):
@@ -199,10 +200,10 @@ class Quantize:
             reports.append(TensorReport(name, w.format, tuple(w.type.shape), get_format(w.format).nbytes(w.type.shape),
                                         f"kept: {w.attrs['prequantized']}"))
         quantize_activations(graph)
-        ctx["quant_report"] = QuantReport(f"quantize({','.join(self.args)})", reports,
-                                          [{"value": s.value, "folded_into": s.folded_into, "alpha": s.alpha,
-                                            "loss_before": s.loss_before, "loss_after": s.loss_after}
-                                           for s in awq_done], int(ctx.get("calib_tokens", 0)))
+        ctx.quant_report = QuantReport(f"quantize({','.join(self.args)})", reports,
+                                       [{"value": s.value, "folded_into": s.folded_into, "alpha": s.alpha,
+                                         "loss_before": s.loss_before, "loss_after": s.loss_after}
+                                        for s in awq_done], ctx.calib_tokens if self.calib else 0)
         return True
 
 
@@ -228,18 +229,6 @@ def _bool(opts: dict[str, str], key: str, default: bool) -> bool:
 
 def _family(fmt: str) -> str:
     return "int4" if fmt.startswith("q4") else "int8" if fmt.startswith("q8") else "fp8" if fmt == "f8e4m3" else "int8"
-
-
-def _tokenizer(graph: Graph, ctx: dict[str, Any]):
-    if ctx.get("tokenizer") is not None:
-        return ctx["tokenizer"]
-    model_dir = ctx.get("model_dir")
-    if model_dir is None:
-        raise InfengError("quantize: calibration needs the model's tokenizer; run it from infeng compile/eval "
-                          "(ctx['model_dir'] or ctx['tokenizer'])")
-    from infeng_runtime.tokenizer import Tokenizer
-
-    return Tokenizer(Path(model_dir), graph.meta.get("bos_token_id"), graph.meta.get("eos_token_ids"))
 
 
 def _source_f32(w) -> np.ndarray:

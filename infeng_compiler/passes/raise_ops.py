@@ -33,9 +33,8 @@ import numpy as np
 from ..frontends.onnx import PROBE_LENGTHS
 from ..ir import Graph, Node, TensorType, Value, Weight
 from ..ir.ops import const_array, rope_inv_freq
-from .manager import register
-from .rewrite import (ProbeStep, dead_code_elimination, evaluate, length_only_values, make_node, place,
-                      run_node)
+from .manager import PassContext, register
+from .rewrite import ProbeStep, dead_code_elimination, evaluate, length_only_values, make_node, place, run_node
 
 _LAYOUT = ("reshape", "transpose", "unsqueeze", "squeeze", "expand", "identity", "add_batch", "drop_batch")
 
@@ -55,7 +54,7 @@ class Raise:
     #: max |change of any raised value| / max |value| (float32 evaluation order only)
     tolerance = 1e-4
 
-    def run(self, graph: Graph, ctx: dict[str, Any]) -> bool:
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
         return _Raiser(graph, self.tolerance).run()
 
 
@@ -486,7 +485,7 @@ class _Raiser:
         # the P.V product: the softmax result, possibly through where(isnan(p), 0, p)
         pv = self.pv_matmul(node.output)
         v4 = pv.inputs[1]
-        out_value, chain = self.merged_heads(pv.output)
+        out_value, _chain = self.merged_heads(pv.output)
         q_src, q_rope, scale = self.trace_heads(q4, scale)
         k_src, k_rope, scale = self.trace_heads(kt, scale)
         v_src, v_rope, scale = self.trace_heads(v4, scale)

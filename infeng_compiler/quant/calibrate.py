@@ -10,9 +10,9 @@ the output error of any weight change ``D`` is ``tr(D XᵀX Dᵀ)`` without keep
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -61,19 +61,6 @@ def calibration_ids(tokenizer, path: str | Path, max_bytes: int | None, ctx: int
         raise InfengError(f"{path}: the calibration text has {len(ids)} tokens, fewer than one chunk of {ctx}; "
                           "give more text (or a larger --calib-max-bytes)")
     return chunk_tokens(ids, ctx, tokenizer.bos_token_id)
-
-
-def calibration_tokenizer(graph: Graph, ctx: dict, where: str):
-    """The tokenizer a pass calibrates with: ``ctx["tokenizer"]``, or the one in ``ctx["model_dir"]``."""
-    if ctx.get("tokenizer") is not None:
-        return ctx["tokenizer"]
-    model_dir = ctx.get("model_dir")
-    if model_dir is None:
-        raise InfengError(f"{where}: calibration needs the model's tokenizer; run it from infeng compile/eval "
-                          "(ctx['model_dir'] or ctx['tokenizer'])")
-    from infeng_runtime.tokenizer import Tokenizer
-
-    return Tokenizer(Path(model_dir), graph.meta.get("bos_token_id"), graph.meta.get("eos_token_ids"))
 
 
 def collect(graph: Graph, chunks: np.ndarray, batch: int = 8,

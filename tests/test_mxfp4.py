@@ -158,3 +158,58 @@ def test_linear_mxfp4(mlib: MXFP4Lib, K: int, N: int, act: str) -> None:
                                                  mlib.ptr(y_rows, "float *"), ldy)
         assert np.all(np.isnan(y_rows[:, 0])) and np.all(np.isnan(y_rows[:, N:]))
         assert rel_err(y_rows[:, 1:N], ref[:, 1:] - bias[1:]) < F32_TOL, (mlib.isa, K, N, act, T)
+
+
+# -- compiled: linear nodes with MXFP4 weights lower to linear_mxfp4 ---------------------------
+def _mxfp4_linears(graph, int8_rows: bool) -> int:
+    """Every linear whose K is whole blocks gets MXFP4 weights (rounded from its f32 values); with
+    ``int8_rows`` each reads int8 activation rows from a quantize_act (8 bits, blocks of 32)."""
+    changed = 0
+    producers = {name: p for name, p in graph.producers().items()}
+    for n in list(graph.nodes):
+        w = n.weights[0] if n.op == "linear" and n.weights else None
+        if w is None or w.type.shape[1] % 32:
+            continue
+        w.quant = mxfp4_quantize(w.numpy_f32())
+        w.attrs["format"] = "mxfp4"
+        changed += 1
+        if int8_rows and getattr(producers.get(n.inputs[0].name), "op", None) != "quantize_act":
+            q = graph.add_node("quantize_act", [n.inputs[0]], attrs={"bits": 8, "block": 32},
+                               out_names=[graph.fresh(f"{n.inputs[0].name}.q8")])
+            graph.nodes.pop()
+            graph.nodes.insert(graph.nodes.index(n), q)
+            n.inputs[0] = q.output
+            producers[q.output.name] = q
+    return changed
+
+
+@pytest.mark.parametrize("act", ["f32", "q8"])
+def test_compiled_mxfp4_linears_match_interpreter(stories_dir, tmp_path, monkeypatch, act: str) -> None:
+    import infeng_compiler.compile as compile_module
+    from infeng_compiler.interp import Interpreter
+    from infeng_runtime.engine import Engine
+
+    graphs = []
+    run_pipeline = compile_module.run_pipeline
+
+    def with_mxfp4(*args, **kwargs):
+        passed = run_pipeline(*args, **kwargs)
+        assert _mxfp4_linears(passed.graph, act == "q8") > 0
+        graphs.append(passed.graph)
+        return passed
+
+    monkeypatch.setattr(compile_module, "run_pipeline", with_mxfp4)
+    out = tmp_path / "m.infeng"
+    compile_module.compile_model(stories_dir, out, compile_module.CompileOptions())
+    manifest = (out / "manifest.json").read_text()
+    assert f"linear_mxfp4_k64_n64_{act}" in manifest and '"format": "mxfp4"' in manifest
+    ids = np.array([1, 45, 300, 12, 7, 99, 250, 3, 60, 411, 5], np.int32)
+    n = len(ids)
+    ref = Interpreter(graphs[0]).step(ids, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
+    engine = Engine(out, max_seqs=2)
+    got = engine.step(ids, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
+    # f32: only the order of float sums differs; q8: an int8 code may round the other way when the
+    # C norms' f32 inputs differ from the interpreter's float64 ones (tests/test_quant_compiled.py)
+    assert rel_err(got, ref) <= (1e-4 if act == "f32" else 1e-2), rel_err(got, ref)
+    steps = [engine.step(ids[i:i + 1], np.array([i], np.int32), np.array([1], np.int32)) for i in range(n)]
+    assert rel_err(np.concatenate(steps), got) <= (1e-4 if act == "f32" else 1e-2)

@@ -261,10 +261,20 @@ class _Lowering:
         op = linear_op(w.format)
         if op is None:
             spec = self.spec("linear", K=w.type.shape[1], N=w.type.shape[0], wdtype=w.format)
+        elif op == "linear_mxfp4":
+            spec = self.mxfp4_spec(w, n.inputs[0])
+            x = f"(const void *){x}"
         else:
             spec = self.spec(op, K=w.type.shape[1], N=w.type.shape[0], wformat=w.format)
             x = self.quantized_rows(n.inputs[0], w.format, comment) if op != "linear_f8" else x
         self.emit(spec, ["pool", x, "T", self.weight(w), bias, self.buf(n.output)], comment)
+
+    def mxfp4_spec(self, w: Weight, x: Value | None) -> KernelSpec:
+        """The MXFP4 linear of ``w``: int8 activation rows when a ``quantize_act`` (8 bits, blocks of
+        32) produces ``x``, f32 rows otherwise (``x`` None: f32, the logits' gathered rows)."""
+        p = self.producers.get(x.name) if x is not None else None
+        act = "q8" if p is not None and p.op == "quantize_act" and (p.attrs["bits"], p.attrs["block"]) == (8, 32) else "f32"
+        return self.spec("linear_mxfp4", K=w.type.shape[1], N=w.type.shape[0], act=act)
 
     def quantized_rows(self, v: Value, weight_format: str, comment: str) -> str:
         """The quantized activation rows ``v`` holds for an integer weight of ``weight_format``."""
@@ -318,6 +328,8 @@ class _Lowering:
         op = linear_op(w.format)
         if op is None:
             spec = self.spec("linear", K=hidden, N=w.type.shape[0], wdtype=w.format)
+        elif op == "linear_mxfp4":
+            spec = self.mxfp4_spec(w, None)                                # reads the gathered f32 rows
         else:
             spec = self.spec(op, K=hidden, N=w.type.shape[0], wformat=w.format)
         qrows = None

@@ -2,7 +2,10 @@
 
 Families: llama (incl. Llama-3 rope scaling, explicit head_dim, tied embeddings), mistral
 (sliding window honoured), qwen2 (q/k/v bias, per-layer sliding window), gpt2 (LayerNorm, learned
-positions, Conv1D weights stored transposed, gelu_new).
+positions, Conv1D weights stored transposed, gelu_new), and the mixture-of-experts families
+mixtral, qwen2_moe (shared expert), qwen3_moe (per-head q/k norm), olmoe (q/k norm) and gpt_oss
+(attention sinks, YaRN, alternating sliding-window layers, clamped SwiGLU experts with biases):
+docs/moe.md.
 """
 from __future__ import annotations
 
@@ -15,9 +18,13 @@ from infeng_common.errors import ModelFormatError, UnsupportedError
 from infeng_common.jsonfile import read_json_object
 
 from ..ir import Graph, TensorType, Value, Weight
+from ..ir.moe_ops import StackedWeight, TensorPart
+from ..ir.ops import rope_attention_factor
 from .checkpoint import TensorEntry, read_checkpoint
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+#: Mixture-of-experts families (built by ``build_llama`` with a routed MLP, docs/moe.md).
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+LLAMA_LIKE = ("llama", "mistral", "qwen2") + MOE_FAMILIES
 FAMILIES = LLAMA_LIKE + ("gpt2",)
 _TORCH_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
@@ -146,8 +153,10 @@ class _Builder:
         if act != "silu":
             raise UnsupportedError(f"{self.cfg_path}: hidden_act={act!r} is not supported for {family} (silu only)")
         rope = self.rope_attrs(heads, head_dim)
-        qkv_bias = family == "qwen2" or bool(c.get("attention_bias"))
-        o_bias = family != "qwen2" and bool(c.get("attention_bias"))
+        qkv_bias = family == "qwen2" or bool(c.get("attention_bias")) or (family == "qwen2_moe" and c.get("qkv_bias", True))
+        o_bias = family not in ("qwen2", "qwen2_moe") and bool(c.get("attention_bias"))
+        if c.get("clip_qkv") is not None:
+            raise UnsupportedError(f"{self.cfg_path}: clip_qkv is not supported")
         mlp_bias = bool(c.get("mlp_bias"))
         windows = self.sliding_windows(family, layers)
         max_pos = self.optional("max_position_embeddings", 2048)
@@ -168,30 +177,166 @@ class _Builder:
             q = proj("self_attn.q_proj", heads * head_dim, hidden, qkv_bias, f"l{i}.q")
             k = proj("self_attn.k_proj", kv_heads * head_dim, hidden, qkv_bias, f"l{i}.k")
             v = proj("self_attn.v_proj", kv_heads * head_dim, hidden, qkv_bias, f"l{i}.v")
+            q, k = self.qk_norm(g, W, i, q, k, heads, kv_heads, head_dim, eps)
             q = g.add_node("rope", [q, positions], attrs={"n_heads": heads, **rope}, name=f"l{i}.q_rot").output
             k = g.add_node("rope", [k, positions], attrs={"n_heads": kv_heads, **rope}, name=f"l{i}.k_rot").output
+            # YaRN scales cos and sin, so q and k, by one factor: the scores by its square
             attn_attrs = {"layer": i, "n_heads": heads, "n_kv_heads": kv_heads, "head_dim": head_dim,
-                          "scale": 1.0 / math.sqrt(head_dim)}
+                          "scale": rope_attention_factor(rope) ** 2 / math.sqrt(head_dim)}
             if windows[i]:
                 attn_attrs["window"] = windows[i]
-            a = g.add_node("attention", [q, k, v, positions], attrs=attn_attrs, name=f"l{i}.attn").output
+            sinks = []
+            if family == "gpt_oss":
+                attn_attrs["sinks"] = True
+                sinks = [W("self_attn.sinks", (heads,))]
+            a = g.add_node("attention", [q, k, v, positions], sinks, attrs=attn_attrs, name=f"l{i}.attn").output
             ws = [W("self_attn.o_proj.weight", (hidden, heads * head_dim))]
             ws += [W("self_attn.o_proj.bias", (hidden,))] if o_bias else []
             o = g.add_node("linear", [a], ws, name=f"l{i}.o").output
             h = g.add_node("add", [h, o], name=f"l{i}.h_attn").output
             x = g.add_node("rms_norm", [h], [W("post_attention_layernorm.weight", (hidden,))], {"eps": eps},
                            name=f"l{i}.mlp_norm").output
-            gate = proj("mlp.gate_proj", inter, hidden, mlp_bias, f"l{i}.gate", x=x)
-            up = proj("mlp.up_proj", inter, hidden, mlp_bias, f"l{i}.up", x=x)
-            act_v = g.add_node("silu_mul", [gate, up], name=f"l{i}.act").output
-            ws = [W("mlp.down_proj.weight", (hidden, inter))] + ([W("mlp.down_proj.bias", (hidden,))] if mlp_bias else [])
-            down = g.add_node("linear", [act_v], ws, name=f"l{i}.down").output
+            if family in MOE_FAMILIES and self.sparse_layer(i):
+                down = self.moe_block(g, p, i, x, hidden)
+            else:
+                down = self.dense_mlp(g, p, "mlp", f"l{i}", x, hidden, inter, mlp_bias)
             h = g.add_node("add", [h, down], name=f"l{i}.out").output
         x = g.add_node("rms_norm", [h], [self.weight(g, "model.norm.weight", (hidden,))], {"eps": eps},
                        name="final_norm").output
         head = self.output_embedding(g, "model.embed_tokens.weight", vocab, hidden)
         g.outputs = [g.add_node("logits", [x], [head], name="logits").output]
         return g
+
+    def dense_mlp(self, g: Graph, prefix: str, module: str, name: str, x: Value, hidden: int, inter: int,
+                  bias: bool) -> Value:
+        """down(silu(gate(x)) * up(x)) of the module ``prefix + module`` (a llama MLP or a shared expert)."""
+        def proj(n: str, out: int, inp: int, value_name: str, source: Value) -> Value:
+            p = f"{prefix}{module}.{n}"
+            ws = [self.weight(g, p + ".weight", (out, inp))] + ([self.weight(g, p + ".bias", (out,))] if bias else [])
+            return g.add_node("linear", [source], ws, name=value_name).output
+
+        gate = proj("gate_proj", inter, hidden, f"{name}.gate", x)
+        up = proj("up_proj", inter, hidden, f"{name}.up", x)
+        act = g.add_node("silu_mul", [gate, up], name=f"{name}.act").output
+        return proj("down_proj", hidden, inter, f"{name}.down", act)
+
+    def qk_norm(self, g: Graph, W, i: int, q: Value, k: Value, heads: int, kv_heads: int, head_dim: int,
+                eps: float) -> tuple[Value, Value]:
+        """Qwen3-MoE's RMS norm of each head of q and k, OLMoE's of the whole q and k rows."""
+        family = self.config["model_type"]
+        if family == "qwen3_moe":
+            return tuple(g.add_node("head_rms_norm", [x], [W(f"self_attn.{n}.weight", (head_dim,))],
+                                    {"eps": eps, "head_dim": head_dim}, name=f"l{i}.{n}").output
+                         for x, n in ((q, "q_norm"), (k, "k_norm")))
+        if family == "olmoe":
+            return tuple(g.add_node("rms_norm", [x], [W(f"self_attn.{n}.weight", (width,))], {"eps": eps},
+                                    name=f"l{i}.{n}").output
+                         for x, n, width in ((q, "q_norm", heads * head_dim), (k, "k_norm", kv_heads * head_dim)))
+        return q, k
+
+    def sparse_layer(self, i: int) -> bool:
+        """Whether layer ``i`` routes its MLP through experts (Qwen-MoE: not in mlp_only_layers, and
+        every decoder_sparse_step-th layer)."""
+        c = self.config
+        if c["model_type"] not in ("qwen2_moe", "qwen3_moe"):
+            return True
+        only = c.get("mlp_only_layers") or []
+        if not isinstance(only, list):
+            raise ModelFormatError(f"{self.cfg_path}: mlp_only_layers must be a list of layer indices")
+        step = self.optional("decoder_sparse_step", 1)
+        return i not in only and (i + 1) % step == 0
+
+    def moe_block(self, g: Graph, prefix: str, i: int, x: Value, hidden: int) -> Value:
+        """router -> experts (+ the sigmoid-gated shared expert of Qwen2-MoE) of layer ``i``."""
+        c = self.config
+        family = c["model_type"]
+        n_experts = self.need("num_local_experts" if c.get("num_local_experts") is not None else "num_experts")
+        top_k = self.need("num_experts_per_tok")
+        if top_k > n_experts:
+            raise ModelFormatError(f"{self.cfg_path}: num_experts_per_tok={top_k} exceeds the {n_experts} experts")
+        inter = self.need("moe_intermediate_size" if family in ("qwen2_moe", "qwen3_moe") else "intermediate_size")
+        experts_attrs: dict[str, Any] = {"activation": "silu", "gate_up": "concat"}
+        if family == "gpt_oss":
+            router_w = [self.weight(g, prefix + "mlp.router.weight", (n_experts, hidden)),
+                        self.weight(g, prefix + "mlp.router.bias", (n_experts,))]
+            router_attrs = {"top_k": top_k, "scoring": "topk_softmax", "renormalize": False}
+            alpha, limit = c.get("swiglu_alpha", 1.702), c.get("swiglu_limit", 7.0)
+            for key, value in (("swiglu_alpha", alpha), ("swiglu_limit", limit)):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ModelFormatError(f"{self.cfg_path}: {key} must be a number, got {value!r}")
+            experts_attrs = {"activation": "swiglu_clamp", "gate_up": "interleaved", "alpha": float(alpha),
+                             "limit": float(limit)}
+            expert_ws = self.gpt_oss_experts(g, prefix + "mlp.experts.", n_experts, hidden, inter)
+        else:
+            gate = "block_sparse_moe.gate" if family == "mixtral" else "mlp.gate"
+            router_w = [self.weight(g, f"{prefix}{gate}.weight", (n_experts, hidden))]
+            renormalize = family == "mixtral" or bool(c.get("norm_topk_prob"))
+            router_attrs = {"top_k": top_k, "scoring": "softmax", "renormalize": renormalize}
+            names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+            experts = f"{prefix}block_sparse_moe.experts." if family == "mixtral" else f"{prefix}mlp.experts."
+            expert_ws = self.stacked_experts(g, experts, names, n_experts, hidden, inter)
+        weights, ids = g.add_node("router", [x], router_w, router_attrs,
+                                  out_names=[f"l{i}.route_weights", f"l{i}.route_ids"]).outputs
+        out = g.add_node("experts", [x, weights, ids], expert_ws, experts_attrs, name=f"l{i}.experts").output
+        if family == "qwen2_moe" and self.optional("shared_expert_intermediate_size", 0):
+            shared_inter = self.need("shared_expert_intermediate_size")
+            shared = self.dense_mlp(g, prefix, "mlp.shared_expert", f"l{i}.shared", x, hidden, shared_inter, False)
+            gate_w = self.weight(g, prefix + "mlp.shared_expert_gate.weight", (1, hidden))
+            shared = g.add_node("sigmoid_gate", [shared, x], [gate_w], name=f"l{i}.shared.gated").output
+            out = g.add_node("add", [out, shared], name=f"l{i}.moe").output
+        return out
+
+    def stacked_experts(self, g: Graph, prefix: str, names: tuple[str, str, str], n_experts: int, hidden: int,
+                        inter: int) -> list[Weight]:
+        """gate_up [E, 2I, H] (each expert's gate rows, then its up rows) and down [E, H, I] stacked from
+        one tensor per expert and projection (``prefix{e}.{name}.weight``)."""
+        gate, up, down = names
+
+        def entry(e: int, name: str, shape: tuple[int, int]) -> TensorEntry:
+            full = f"{prefix}{e}.{name}.weight"
+            t = self.tensors.get(full)
+            if t is None:
+                raise ModelFormatError(f"{self.source}: tensor {full} is missing from the checkpoint")
+            if t.shape != shape:
+                raise ModelFormatError(f"{t.file}: tensor {full} has shape {list(t.shape)} but config.json implies "
+                                       f"{list(shape)}")
+            return t
+
+        gate_up = [entry(e, n, (inter, hidden)) for e in range(n_experts) for n in (gate, up)]
+        downs = [entry(e, down, (hidden, inter)) for e in range(n_experts)]
+        return [self.stacked(g, f"{prefix}gate_up", gate_up, (n_experts, 2 * inter, hidden)),
+                self.stacked(g, f"{prefix}down", downs, (n_experts, hidden, inter))]
+
+    def stacked(self, g: Graph, name: str, entries: list[TensorEntry], shape: tuple[int, ...],
+                swap_last: bool = False) -> Weight:
+        dtypes = {t.dtype for t in entries}
+        if len(dtypes) != 1 or (self.expected_dtype and dtypes != {self.expected_dtype}):
+            raise ModelFormatError(f"{entries[0].file}: the tensors of {name} are {sorted(dtypes)} but config.json "
+                                   f"says dtype {self.expected_dtype}")
+        parts = tuple(TensorPart(t.file, t.offset, tuple(t.shape)) for t in entries)
+        return g.add_weight(StackedWeight(name, TensorType(entries[0].dtype, shape), parts=parts, swap_last=swap_last))
+
+    def gpt_oss_experts(self, g: Graph, prefix: str, n_experts: int, hidden: int, inter: int) -> list[Weight]:
+        """GPT-OSS's fused expert tensors: gate_up_proj [E, H, 2I] (gate and up columns interleaved) and
+        down_proj [E, I, H], stored [in, out], read as [E, out, in]; their biases [E, 2I], [E, H]."""
+        def entry(name: str, shape: tuple[int, ...]) -> TensorEntry:
+            t = self.tensors.get(prefix + name)
+            if t is None:
+                if prefix + name + "_blocks" in self.tensors:
+                    raise UnsupportedError(f"{self.source}: {prefix + name} is MXFP4 ({name}_blocks/_scales), "
+                                           "which this frontend does not read yet")
+                raise ModelFormatError(f"{self.source}: tensor {prefix + name} is missing from the checkpoint")
+            if t.shape != shape:
+                raise ModelFormatError(f"{t.file}: tensor {prefix + name} has shape {list(t.shape)} but config.json "
+                                       f"implies {list(shape)}")
+            return t
+
+        gate_up = entry("gate_up_proj", (n_experts, hidden, 2 * inter))
+        down = entry("down_proj", (n_experts, inter, hidden))
+        return [self.stacked(g, prefix + "gate_up_proj", [gate_up], (n_experts, 2 * inter, hidden), swap_last=True),
+                self.stacked(g, prefix + "down_proj", [down], (n_experts, hidden, inter), swap_last=True),
+                self.weight(g, prefix + "gate_up_proj_bias", (n_experts, 2 * inter)),
+                self.weight(g, prefix + "down_proj_bias", (n_experts, hidden))]
 
     def output_embedding(self, g: Graph, embed_name: str, vocab: int, hidden: int) -> Weight:
         tied = self.config.get("tie_word_embeddings", self.config["model_type"] == "gpt2")
@@ -216,9 +361,9 @@ class _Builder:
         kind = (params.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default")
         if params and kind != "default":
             scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        if kind not in ("default", "linear", "llama3"):
+        if kind not in ("default", "linear", "llama3", "yarn"):
             raise UnsupportedError(f"{self.cfg_path}: rope scaling type {kind!r} is not supported "
-                                   "(supported: default, linear, llama3)")
+                                   "(supported: default, linear, llama3, yarn)")
         if c.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedError(f"{self.cfg_path}: partial_rotary_factor is not supported")
         attrs: dict[str, Any] = {"head_dim": head_dim, "theta": float(theta)}
@@ -228,10 +373,16 @@ class _Builder:
 
     def sliding_windows(self, family: str, layers: int) -> list[int | None]:
         c = self.config
-        window = self.optional("sliding_window", None)
-        if family == "mistral":
+        window = None if c.get("sliding_window") == 0 else self.optional("sliding_window", None)   # Qwen2-MoE writes 0
+        if family in ("mistral", "mixtral", "qwen3_moe"):
             return [window or None] * layers
-        if family == "qwen2" and c.get("use_sliding_window") and window:
+        if family == "gpt_oss":
+            types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                             for i in range(layers)]
+            if not isinstance(types, list) or len(types) < layers:
+                raise ModelFormatError(f"{self.cfg_path}: layer_types must list the {layers} layers")
+            return [window if t == "sliding_attention" else None for t in types[:layers]]
+        if family in ("qwen2", "qwen2_moe") and c.get("use_sliding_window") and window:
             types = c.get("layer_types") or ["sliding_attention" if i >= c.get("max_window_layers", layers)
                                              else "full_attention" for i in range(layers)]
             return [window if t == "sliding_attention" else None for t in types]

@@ -178,3 +178,33 @@ def test_avx_vnni_is_chosen_where_the_cpu_has_it(monkeypatch) -> None:
     assert native_target().name == "avx2-vnni"
     monkeypatch.setenv("INFENG_CPU_FEATURES", "avx2,fma,f16c")
     assert native_target().name == "avx2"
+
+
+
+def _run_linear(qlib: QuantLib, spec: KernelSpec, rows: np.ndarray, packed: np.ndarray, bias: np.ndarray | None,
+                N: int) -> np.ndarray:
+    y = np.full((len(rows), N), np.nan, np.float32)
+    rows = np.ascontiguousarray(rows)
+    qlib.fn(spec)(qlib.pool, qlib.ptr(rows, "void *"), len(rows), qlib.ptr(packed, "uint8_t *"),
+                  qlib.ptr(bias, "float *"), qlib.ptr(y, "float *"))
+    return y
+
+
+@pytest.mark.parametrize("name", QUANT_FORMATS)
+def test_linear_rows_do_not_depend_on_the_row_count(qlib: QuantLib, name: str) -> None:
+    """A token row's outputs are the same bits whether the step has 1 row or many (greedy
+    speculative decoding verifies drafted tokens in one step and must reproduce one-row decode)."""
+    fmt = get_format(name)
+    T = max(TOKENS)
+    for K, N in LINEAR_SHAPES:
+        if not fits(name, K):
+            continue
+        spec = KernelSpec.make(linear_op(name), qlib.isa, K=K, N=N, wformat=name)
+        qt, bias = _linear_case(name, K, N, K + N)
+        packed = qt.pack()
+        x = (np.random.default_rng(K + 3 * N).standard_normal((T, K)) * 2).astype(np.float32)
+        xin = pack_act_rows(x, 8 if fmt.bits == 4 else 16) if fmt.kind == "int" else x
+        together = _run_linear(qlib, spec, xin, packed, bias, N)
+        for t0, t1 in [(t, t + 1) for t in range(T)] + [(0, 2), (1, 4), (3, 8), (2, 7), (9, 16)]:
+            part = _run_linear(qlib, spec, xin[t0:t1], packed, bias, N)
+            assert np.array_equal(part, together[t0:t1]), (qlib.isa, name, K, N, t0, t1)

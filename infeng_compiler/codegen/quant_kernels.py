@@ -33,6 +33,9 @@ PREFETCH_BYTES = 0
 #: Software prefetch distance of the int4 decode path (AVX-512), bytes: measured best of 256-2048
 #: on the dev machine (Zen 4), `python bench/kernels.py --wdtypes q4g32 --tokens 1`.
 GEMV_PREFETCH_BYTES = 512
+#: Independent partial sums per output along K in the fp8 kernels, the same for every number of
+#: token rows in a tile, so that a row's result does not depend on how many rows the step has.
+F8_PHASES = 2
 _INT4 = ("q4g32", "q4g64", "q4g128", "q4g32a", "q4g64a", "q4g128a", "q4g32m", "q4g64m", "q4g128m")
 _INT8 = ("q8r", "q8g32", "q8g64", "q8g128")
 
@@ -59,7 +62,7 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
             "block_bytes": fmt.block_bytes(K), "codes_bytes": codes, "scales_offset": codes,
             "zeros_offset": codes + ROWS_PER_BLOCK * ng * fmt.scale_dtype.itemsize,
             "n_blocks": -(-N // ROWS_PER_BLOCK), "tt": tt, "rb": rb, "rb_multi": rb_multi, "prefetch": PREFETCH_BYTES,
-            "gemv_prefetch": GEMV_PREFETCH_BYTES, "seg_groups": fmt.segment_groups, "seg_bytes": fmt.segment_bytes(fmt.segment_groups),
+            "gemv_prefetch": GEMV_PREFETCH_BYTES, "f8_phases": F8_PHASES, "seg_groups": fmt.segment_groups, "seg_bytes": fmt.segment_bytes(fmt.segment_groups),
             "group_code_bytes": fmt.group_code_bytes}
     if fmt.kind == "int":
         bits = 8 if fmt.bits == 4 else 16

@@ -227,9 +227,8 @@ class Scheduler:
         arrival = next(self._arrivals)
         seqs = [Sequence(next(self._ids), request, i, (request.priority, arrival), namespace)
                 for i in range(request.n)]
-        # a grammar-constrained request never drafts: its masks follow one token per step
-        if self.speculator is not None and request.params.speculative is not False and \
-                request.grammar is None:
+        # a grammar-constrained request drafts too: drafts are checked against its grammar (_draft)
+        if self.speculator is not None and request.params.speculative is not False:
             for seq in seqs:
                 seq.spec = self.speculator.state()
         self.requests[request.request_id] = seqs
@@ -319,12 +318,17 @@ class Scheduler:
         drafted = False
         drafts = self.speculator.propose(seqs, caps, base, len(seqs))
         for i, seq, draft in zip(where, seqs, drafts):
+            grammar = seq.request.grammar
+            if grammar is not None and draft:      # cut at the first token the grammar rejects
+                draft = draft[:grammar.check_draft(seq.index, draft)]
             k = min(len(draft), budget)
             while k and kv.blocks_needed(seq.seq_id, seq.num_computed + 1 + k) > kv.num_free:
                 k -= 1
             if k:
                 kv.ensure(seq.seq_id, seq.num_computed + 1 + k)
                 seq.draft = draft[:k]
+                if grammar is not None:            # the verification rows' masks, filled during the forward call
+                    grammar.prefetch_draft(seq.index, seq.draft)
                 chosen[i] = (seq, 1 + k)
                 budget -= k
                 drafted = True
@@ -478,6 +482,7 @@ class Scheduler:
             outs.append(self._emit(seq, token, logits, r))
         if verify:
             outs.extend(self._verify(plan, verify_logits))
+            constrained = constrained or any(seq.request.grammar is not None for seq, _ in verify)
         if constrained:                        # matchers take the tokens; the next masks fill during forward
             advance(outs)
         return outs
@@ -496,6 +501,8 @@ class Scheduler:
             r += k + 1
             if seq.status != RUNNING:
                 continue
+            if seq.request.grammar is not None:    # row j: the grammar's state after j drafted tokens
+                seq.request.grammar.mask_draft_rows(seq.index, rows)
             if seq.greedy:
                 targets = rows.argmax(axis=1).tolist()
                 a = accept_greedy(targets, draft)

@@ -9,14 +9,20 @@ computes a mask without the GIL, so the next step's masks are filled while the e
 the library's forward call (which releases the GIL too), and ``apply_masks`` only waits for what
 is left of that work. docs/serving.md (Structured outputs) says why llguidance; bench/grammar_mask.py
 measures it against xgrammar and outlines-core.
+
+With speculative decoding a constrained sequence drafts too: ``Constraint.check_draft`` cuts a draft
+at the first token the grammar rejects, ``prefetch_draft`` queues the masks of the verification
+rows (row j: the state after the first j drafted tokens, consumed and rolled back on the worker
+thread while the forward call runs), and ``mask_draft_rows`` applies them (docs/speculative.md).
 """
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -146,7 +152,7 @@ class GrammarCompiler:
         self._checked[key] = grammar
         return grammar
 
-    def constraint(self, spec: GrammarSpec, n: int) -> "Constraint":
+    def constraint(self, spec: GrammarSpec, n: int) -> Constraint:
         """Matchers for ``n`` choices of ``spec``, their first masks queued (call off the event loop:
         building a matcher takes a few ms for large schemas, without the GIL)."""
         import llguidance
@@ -187,22 +193,30 @@ class Constraint:
         words = (vocab_size + 31) // 32
         self.bits = np.zeros((len(matchers), words), dtype=np.int32)
         self.disallowed = np.zeros((len(matchers), vocab_size), dtype=bool)
+        self.ready = [False] * len(matchers)       # disallowed[i] is the mask of choice i's current state
         self.pending: list[Future | None] = [None] * len(matchers)
+        # per drafting choice: the verification rows' masks ([k + 1, vocab]) and the job that fills them
+        self.draft_masks: list[tuple[np.ndarray, Callable[[], None]] | None] = [None] * len(matchers)
 
-    def _fill(self, indices: list[int]) -> None:
+    def _mask_of(self, index: int, out: np.ndarray) -> None:
+        """The disallowed tokens of choice ``index``'s matcher in its state now, into ``out``."""
         import llguidance.numpy as lnp
 
+        m = self.matchers[index]
+        if m.is_error():                           # a dead end: let the sequence end
+            out[:] = True
+            out[self.eos] = False
+            return
+        lnp.fill_next_token_bitmask(m, self.bits, index)           # drops the GIL
+        allowed = np.unpackbits(self.bits[index].view(np.uint8), bitorder="little", count=self.vocab_size)
+        np.equal(allowed, 0, out=out)
+        if out.all():
+            out[self.eos] = False
+
+    def _fill(self, indices: list[int]) -> None:
         for i in indices:
-            m = self.matchers[i]
-            if m.is_error():                       # a dead end: let the sequence end
-                self.disallowed[i] = True
-                self.disallowed[i, self.eos] = False
-                continue
-            lnp.fill_next_token_bitmask(m, self.bits, i)           # drops the GIL
-            allowed = np.unpackbits(self.bits[i].view(np.uint8), bitorder="little", count=self.vocab_size)
-            np.equal(allowed, 0, out=self.disallowed[i])
-            if self.disallowed[i].all():
-                self.disallowed[i, self.eos] = False
+            self._mask_of(i, self.disallowed[i])
+            self.ready[i] = True
 
     def prefetch(self, indices: Iterable[int]) -> None:
         indices = list(indices)
@@ -216,7 +230,8 @@ class Constraint:
         future = self.pending[index]
         self.pending[index] = None
         if future is None:
-            self._fill([index])
+            if not self.ready[index]:
+                self._fill([index])
         elif future.cancel():                       # the worker never got to it (a busy machine): fill here
             self._fill([index])
         else:
@@ -225,32 +240,74 @@ class Constraint:
 
     def accept(self, index: int, token: int) -> bool:
         """Advance choice ``index`` by ``token`` (the caller has waited for its mask)."""
+        self.ready[index] = False
         return self.matchers[index].consume_token(token)
 
-    def validate(self, index: int, draft: list[int]) -> int:
-        """How many of ``draft``'s tokens the grammar accepts from choice ``index``'s state (for
-        checking speculative drafts; the state is not changed)."""
-        return self.matchers[index].validate_tokens(draft)
+    def check_draft(self, index: int, draft: list[int]) -> int:
+        """How many of ``draft``'s tokens, from the first, choice ``index``'s grammar allows (up to
+        the first EOS, which is left to the target). Waits for the choice's mask fill: the worker
+        thread and this one never use a matcher at once. The state is not changed."""
+        self.mask(index)
+        eos = next((j for j, t in enumerate(draft) if t in self.eos), len(draft))
+        return self.matchers[index].validate_tokens(draft[:eos]) if eos else 0
+
+    def prefetch_draft(self, index: int, draft: list[int]) -> None:
+        """Queue the masks of the ``len(draft) + 1`` verification rows of a checked ``draft``: row j
+        masks the target's logits after the first j drafted tokens (the matcher consumes them on the
+        worker thread and rolls them back, so its state is unchanged when the job is done)."""
+        masks = np.empty((len(draft) + 1, self.vocab_size), dtype=bool)
+        masks[0] = self.mask(index)
+
+        def fill() -> None:
+            m = self.matchers[index]
+            consumed = 0
+            for j, token in enumerate(draft):
+                if not m.consume_token(token):      # a checked draft never gets here: its rows allow only EOS
+                    masks[j + 1:] = True
+                    masks[j + 1:, self.eos] = False
+                    break
+                consumed += 1
+                self._mask_of(index, masks[j + 1])
+            if consumed:
+                m.rollback(consumed)
+
+        self.draft_masks[index] = (masks, fill)
+        self.pending[index] = _mask_worker().submit(fill)
+
+    def mask_draft_rows(self, index: int, rows: np.ndarray) -> None:
+        """Mask the verification ``rows`` of choice ``index``'s draft in place (``prefetch_draft``'s
+        masks; waits for them, or computes them here if the worker has not started)."""
+        (masks, fill), self.draft_masks[index] = self.draft_masks[index], None
+        future, self.pending[index] = self.pending[index], None
+        if future.cancel():
+            fill()
+        else:
+            future.result()
+        for row, disallowed in zip(rows, masks):
+            _mask_row(row, disallowed, self.vocab_size)
+
+
+def _mask_row(row: np.ndarray, disallowed: np.ndarray, vocab_size: int) -> None:
+    width = row.shape[0]
+    if width == vocab_size:
+        np.copyto(row, MASKED_LOGIT, where=disallowed)
+    else:
+        n = min(width, vocab_size)
+        np.copyto(row[:n], MASKED_LOGIT, where=disallowed[:n])
+        row[n:] = MASKED_LOGIT
 
 
 def apply_masks(logits: np.ndarray, rows: list[tuple[int, Any]]) -> None:
     """Set the disallowed logits of each ``(row, sequence)`` to MASKED_LOGIT, in place."""
-    width = logits.shape[1]
     for r, seq in rows:
         c = seq.request.grammar
-        disallowed = c.mask(seq.index)
-        row = logits[r]
-        if width == c.vocab_size:
-            np.copyto(row, MASKED_LOGIT, where=disallowed)
-        else:
-            n = min(width, c.vocab_size)
-            np.copyto(row[:n], MASKED_LOGIT, where=disallowed[:n])
-            row[n:] = MASKED_LOGIT
+        _mask_row(logits[r], c.mask(seq.index), c.vocab_size)
 
 
 def advance(outs: list) -> None:
-    """Feed each constrained output's token to its matcher and queue the next masks (one job for
-    the step; it runs while the next forward call does)."""
+    """Feed each constrained output's token to its matcher (a verification step gives a choice
+    several, in order) and queue the next masks (one job for the step; it runs while the next
+    forward call does)."""
     by_constraint: dict[int, tuple[Constraint, list[int]]] = {}
     for o in outs:
         c = o.request.grammar
@@ -260,7 +317,7 @@ def advance(outs: list) -> None:
         entry = by_constraint.get(id(c))
         if entry is None:
             by_constraint[id(c)] = (c, [o.index])
-        else:
+        elif o.index not in entry[1]:
             entry[1].append(o.index)
     if not by_constraint:
         return

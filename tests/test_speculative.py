@@ -320,3 +320,86 @@ def test_server_serves_speculative_and_plain_requests_in_one_batch(artifact, ada
         bad = httpx.post(f"{url}/v1/completions", json={"model": base, "prompt": "x",
                                                          "speculative": "yes please"})
         assert bad.status_code == 400
+
+
+# -- grammar-constrained requests speculate too ------------------------------------------------------
+GRAMMARS = [("json", {"type": "object", "properties": {
+                 "moods": {"type": "array", "items": {"enum": ["happy", "sad", "sleepy"]}, "minItems": 3,
+                           "maxItems": 6},
+                 "name": {"type": "string", "maxLength": 12}}, "required": ["moods", "name"],
+                 "additionalProperties": False}),
+            ("regex", r"(Lily and Tom (went|ran) to the (park|shop)\. ){2,4}"),
+            ("choice", ["Once upon a time", "The dog", "One day, a little"]),
+            ("grammar", ('start: NAME " and " NAME " went to the " PLACE "."\nNAME: "Lily" | "Tom"\n'
+                         'PLACE: "park" | "shop" | "sea"'))]
+
+
+def run_constrained(path, spec, params: SamplingParams, drafts: list | None = None) -> list[str]:
+    """Every (prompt, grammar) of PROMPTS x GRAMMARS in one batch; the texts. ``drafts`` collects
+    (drafted, allowed) of every draft checked against a grammar."""
+    from infeng_runtime.llm import LLM
+    from infeng_runtime.structured import Constraint, GrammarCompiler, GrammarSpec
+
+    llm = LLM(path, threads=1, max_seqs=8, speculative=spec)
+    grammars = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size)
+    tokens: dict[str, list[int]] = {}
+    check = Constraint.check_draft
+
+    def recording_check(self, index, draft):
+        allowed = check(self, index, draft)
+        drafts.append((len(draft), allowed))
+        return allowed
+
+    def sink(outs):
+        for o in outs:
+            if o.token is not None:
+                tokens.setdefault(o.request.request_id, []).append(o.token)
+
+    cases = [(p, g) for p in PROMPTS for g in GRAMMARS]
+    try:
+        if drafts is not None:
+            Constraint.check_draft = recording_check
+        for i, (prompt, (kind, value)) in enumerate(cases):
+            llm.loop.submit(Request(f"r{i}", llm.tokenizer.encode(prompt), params,
+                                    grammar=grammars.constraint(GrammarSpec(kind, value), 1), sink=sink))
+        while llm.loop.has_work():
+            llm.loop.run_once()
+    finally:
+        Constraint.check_draft = check
+        llm.close()
+    return [llm.tokenizer.decode(tokens.get(f"r{i}", [])) for i in range(len(cases))]
+
+
+def check_valid(texts: list[str]) -> None:
+    import re
+
+    jsonschema = pytest.importorskip("jsonschema")
+    for text, (_, (kind, value)) in zip(texts, [(p, g) for p in PROMPTS for g in GRAMMARS]):
+        if kind == "json":
+            jsonschema.validate(json.loads(text), value)
+        elif kind == "grammar":
+            assert re.fullmatch(r"(Lily|Tom) and (Lily|Tom) went to the (park|shop|sea)\.", text), text
+        elif kind == "regex":
+            assert re.fullmatch(value, text), text
+        else:
+            assert text in value, text
+
+
+def test_constrained_greedy_speculation_equals_plain_and_validates(artifact):
+    """Drafts are cut at the first token the grammar rejects, each verification row is masked with
+    the grammar's state after the drafts before it, and the matcher is rolled back for the rest:
+    greedy outputs are the plain constrained ones, token for token, and all validate."""
+    pytest.importorskip("llguidance")
+    params = SamplingParams(max_new_tokens=160)
+    plain = run_constrained(artifact, None, params)
+    drafts: list[tuple[int, int]] = []
+    spec = run_constrained(artifact, always(), params, drafts)
+    assert spec == plain
+    check_valid(spec)
+    assert any(0 < allowed for _, allowed in drafts), "some drafts pass the grammar"
+    assert any(allowed < drafted for drafted, allowed in drafts), "some drafts are cut by the grammar"
+
+
+def test_constrained_sampled_speculation_validates(artifact):
+    pytest.importorskip("llguidance")
+    check_valid(run_constrained(artifact, always(), SamplingParams(max_new_tokens=160, temperature=1.0, seed=3)))

@@ -13,8 +13,9 @@ import numpy as np
 
 from .errors import ModelFormatError
 
-#: safetensors dtype names -> IR element types.
-SAFETENSORS_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+#: safetensors dtype names -> IR element types. U8 tensors are MXFP4 blocks and scales (GPT-OSS),
+#: which the frontend reads as one packed weight (``frontends/mxfp4.py``), never as a u8 IR weight.
+SAFETENSORS_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "U8": "u8"}
 
 
 @dataclass(frozen=True)

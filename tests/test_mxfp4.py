@@ -4,6 +4,9 @@ reference), and the GPT-OSS-shape checkpoint builder at a tiny scale."""
 from __future__ import annotations
 
 import functools
+import shutil
+import subprocess
+from pathlib import Path
 
 import cffi
 import numpy as np
@@ -213,3 +216,94 @@ def test_compiled_mxfp4_linears_match_interpreter(stories_dir, tmp_path, monkeyp
     assert rel_err(got, ref) <= (1e-4 if act == "f32" else 1e-2), rel_err(got, ref)
     steps = [engine.step(ids[i:i + 1], np.array([i], np.int32), np.array([1], np.int32)) for i in range(n)]
     assert rel_err(np.concatenate(steps), got) <= (1e-4 if act == "f32" else 1e-2)
+
+
+# -- the GPT-OSS-shape checkpoint builder --------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory) -> tuple:
+    from infeng_models.gpt_oss_shape import TINY, write_checkpoint, write_gguf
+
+    root = tmp_path_factory.mktemp("gpt_oss")
+    model = write_checkpoint(root / "model", TINY, seed=3)
+    return model, write_gguf(model, root / "model.gguf")
+
+
+def test_full_shape_is_gpt_oss_20b() -> None:
+    from infeng_models.gpt_oss_shape import GPT_OSS_20B, config_json, shard_specs
+
+    config = config_json(GPT_OSS_20B)
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["head_dim"], config["num_local_experts"],
+            config["num_experts_per_tok"], config["vocab_size"], config["intermediate_size"],
+            config["sliding_window"]) == (24, 2880, 64, 8, 64, 32, 4, 201088, 2880, 128)
+    assert config["layer_types"][:2] == ["sliding_attention", "full_attention"] and len(config["layer_types"]) == 24
+    assert config["rope_scaling"]["rope_type"] == "yarn" and config["rope_scaling"]["factor"] == 32.0
+    specs = [s for shard in shard_specs(GPT_OSS_20B) for s in shard]
+    params = sum(s.numel * (2 if s.init == "blocks" else 1) for s in specs if s.init != "scales")
+    assert params == 20_914_757_184                       # gpt-oss-20b's parameter count
+    assert len(shard_specs(GPT_OSS_20B)) == 6
+
+
+def test_tiny_checkpoint_loads_in_transformers(tiny_gpt_oss) -> None:
+    """transformers reads the builder's MXFP4 experts as frontends/mxfp4.py does (bit for bit)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from infeng_common.safetensors import read_safetensors_header
+    from infeng_compiler.frontends.mxfp4 import mxfp4_weight
+
+    model_dir, _ = tiny_gpt_oss
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    entries = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        entries.update(read_safetensors_header(path))
+    for layer in range(2):
+        experts = model.model.layers[layer].mlp.experts
+        for proj in ("gate_up_proj", "down_proj"):
+            prefix = f"model.layers.{layer}.mlp.experts.{proj}"
+            w = mxfp4_weight(prefix, entries[prefix + "_blocks"], entries[prefix + "_scales"])
+            assert w.format == "mxfp4" and w.stored().size == MXFP4.nbytes(tuple(w.type.shape))
+            theirs = getattr(experts, proj).detach().numpy()               # [E, in, out]
+            assert np.array_equal(w.numpy_f32(), theirs.transpose(0, 2, 1))
+    logits = model(torch.tensor([[1, 5, 9, 30]])).logits
+    assert logits.shape == (1, 4, 512) and bool(torch.isfinite(logits).all())
+
+
+def test_gguf_holds_the_same_weights(tiny_gpt_oss) -> None:
+    gguf = pytest.importorskip("gguf")
+    from infeng_common.safetensors import read_safetensors_header
+    from infeng_compiler.frontends.mxfp4 import mxfp4_weight
+
+    model_dir, path = tiny_gpt_oss
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    Q = gguf.GGMLQuantizationType
+    assert reader.fields["general.architecture"].contents() == "gpt-oss"
+    assert reader.fields["gpt-oss.expert_count"].contents() == 4
+    assert reader.fields["gpt-oss.attention.sliding_window"].contents() == 4
+    assert reader.fields["gpt-oss.rope.scaling.factor"].contents() == 32.0
+    assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == 512
+    assert tensors["token_embd.weight"].tensor_type == Q.BF16 and list(tensors["token_embd.weight"].shape) == [64, 512]
+    assert tensors["blk.0.attn_q.weight"].tensor_type == Q.BF16
+    assert tensors["blk.0.attn_sinks.weight"].tensor_type == Q.F32 and tensors["blk.0.ffn_gate_inp.weight"].tensor_type == Q.F32
+    entries = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        entries.update(read_safetensors_header(f))
+    prefix = "model.layers.1.mlp.experts."
+    gate_up = mxfp4_weight("gu", entries[prefix + "gate_up_proj_blocks"], entries[prefix + "gate_up_proj_scales"]).numpy_f32()
+    down = mxfp4_weight("d", entries[prefix + "down_proj_blocks"], entries[prefix + "down_proj_scales"]).numpy_f32()
+    for name, ours in (("gate", gate_up[:, 0::2]), ("up", gate_up[:, 1::2]), ("down", down)):
+        t = tensors[f"blk.1.ffn_{name}_exps.weight"]
+        assert t.tensor_type == Q.MXFP4 and list(t.shape) == [ours.shape[2], ours.shape[1], ours.shape[0]]
+        theirs = gguf.quants.dequantize(np.asarray(t.data), Q.MXFP4).reshape(ours.shape)
+        assert np.array_equal(theirs, ours), name
+
+
+def test_gguf_runs_in_llama_bench(tiny_gpt_oss) -> None:
+    bench = Path.home() / ".cache/infeng-peers/llama.cpp/build/bin/llama-bench"
+    if not bench.is_file() and shutil.which("llama-bench") is None:
+        pytest.skip("llama.cpp's llama-bench is not built on this host")
+    out = subprocess.run([str(bench) if bench.is_file() else "llama-bench", "-m", str(tiny_gpt_oss[1]), "-t", "2",
+                          "-p", "16", "-n", "4", "-r", "1", "-o", "json"], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "gpt-oss" in out.stdout and "MXFP4" in out.stdout

@@ -434,11 +434,9 @@ class MXFP4Format(QuantFormat):
     def dequantize(self, qt: QuantizedTensor) -> np.ndarray:
         """float32 ``[..., N, K]``; exact (every value is a small integer times a power of two)."""
         blocks, scales = np.asarray(qt.codes, dtype=np.uint8), np.asarray(qt.scales, dtype=np.uint8)
-        codes = np.stack([blocks & np.uint8(0x0F), blocks >> np.uint8(4)], axis=-1)     # [..., nb, 16, 2]
-        values = E2M1_VALUES[codes].reshape(*blocks.shape[:-1], MXFP4_BLOCK)
-        exponents = scales.astype(np.int32) - E8M0_BIAS
-        out = np.ldexp(values, exponents[..., None]).astype(np.float32)
-        return np.ascontiguousarray(out.reshape(tuple(qt.shape)))
+        values = _e2m1_pairs()[blocks].reshape(*blocks.shape[:-1], MXFP4_BLOCK)     # one f32 buffer
+        np.ldexp(values, scales.astype(np.int32)[..., None] - E8M0_BIAS, out=values)
+        return values.reshape(tuple(qt.shape))
 
     def pack(self, qt: QuantizedTensor) -> np.ndarray:
         _check_mxfp4(qt)
@@ -457,6 +455,13 @@ class MXFP4Format(QuantFormat):
 
 
 MXFP4 = MXFP4Format("mxfp4", "mxfp4", 4, MXFP4_BLOCK)
+
+
+@lru_cache(maxsize=1)
+def _e2m1_pairs() -> np.ndarray:
+    """[256, 2] float32: the two e2m1 values of every byte (low nibble first: element 2j, 2j + 1)."""
+    byte = np.arange(256)
+    return np.stack([E2M1_VALUES[byte & 0x0F], E2M1_VALUES[byte >> 4]], axis=1)
 
 
 def _check_mxfp4_k(K: int) -> None:

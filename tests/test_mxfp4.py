@@ -61,11 +61,15 @@ def test_dequantize_matches_transformers_and_gguf() -> None:
 
 
 def test_pack_is_the_checkpoint_bytes() -> None:
+    """Matrix by matrix (expert by expert): the blocks, then the scales, as the checkpoint has them."""
     qt = random_mxfp4((2, 24, 64), 1)
     data = qt.pack()
     assert data.size == MXFP4.nbytes((2, 24, 64)) == 2 * 24 * 2 * 17
-    assert np.array_equal(data[:qt.codes.size], qt.codes.reshape(-1))
-    assert np.array_equal(data[qt.codes.size:], qt.scales.reshape(-1))
+    per_expert = 24 * 2 * 17
+    for e in range(2):
+        matrix = data[e * per_expert:(e + 1) * per_expert]
+        assert np.array_equal(matrix[:24 * 2 * 16], qt.codes[e].reshape(-1))
+        assert np.array_equal(matrix[24 * 2 * 16:], qt.scales[e].reshape(-1))
     back = MXFP4.unpack(data, (2, 24, 64))
     assert np.array_equal(back.codes, qt.codes) and np.array_equal(back.scales, qt.scales)
     assert is_quantized("mxfp4") and get_format("mxfp4") is MXFP4
@@ -161,6 +165,21 @@ def test_linear_mxfp4(mlib: MXFP4Lib, K: int, N: int, act: str) -> None:
                                                  mlib.ptr(y_rows, "float *"), ldy)
         assert np.all(np.isnan(y_rows[:, 0])) and np.all(np.isnan(y_rows[:, N:]))
         assert rel_err(y_rows[:, 1:N], ref[:, 1:] - bias[1:]) < F32_TOL, (mlib.isa, K, N, act, T)
+
+
+def test_stacked_experts_are_consecutive_matrices(mlib: MXFP4Lib) -> None:
+    """Expert e of a packed [E, N, K] stack is the [N, K] layout at e * nbytes / E (the experts driver's offset)."""
+    E, N, K = 3, 33, 96
+    spec = KernelSpec.make("linear_mxfp4", mlib.isa, K=K, N=N, act="f32")
+    qt = random_mxfp4((E, N, K), 7)
+    w = np.ascontiguousarray(qt.pack())
+    deq = qt.dequantize().astype(np.float64)
+    x = np.random.default_rng(7).standard_normal((2, K)).astype(np.float32)
+    for e in range(E):
+        y = np.full((2, N), np.nan, np.float32)
+        getattr(mlib.lib, spec.symbol)(mlib.pool, mlib.ptr(x, "void *"), 2, mlib.ptr(w, "uint8_t *") + e * w.size // E,
+                                       mlib.ffi.NULL, mlib.ptr(y, "float *"))
+        assert rel_err(y, x.astype(np.float64) @ deq[e].T) < F32_TOL, (mlib.isa, e)
 
 
 # -- compiled: linear nodes with MXFP4 weights lower to linear_mxfp4 ---------------------------

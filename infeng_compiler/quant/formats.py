@@ -404,10 +404,11 @@ class MXFP4Format(QuantFormat):
 
         W[n, k] = E2M1_VALUES[code(n, k)] * 2^(scales[n, k // 32] - 127)
 
-    The packed bytes (``weights.bin``) are the blocks tensor followed by the scales tensor, byte
-    for byte: expert e's blocks start at ``e * N * K / 2``, its scales at
-    ``E * N * K / 2 + e * N * K / 32``. ``QuantizedTensor.codes`` holds the blocks,
-    ``scales`` the e8m0 bytes; both keep the checkpoint's shapes (memory-mapped).
+    The packed bytes (``weights.bin``) are the checkpoint's bytes, matrix by matrix: a matrix's
+    blocks ``[N, K/32, 16]`` then its scales ``[N, K/32]``; a stack ``[E, N, K]`` of experts is E
+    such matrices one after another (expert e at ``e * N * K * 17 / 32``), as every packed format
+    stacks. ``QuantizedTensor.codes`` holds the blocks, ``scales`` the e8m0 bytes; both keep the
+    checkpoint's shapes (memory-mapped).
     """
 
     def padded_k(self, K: int) -> int:
@@ -440,18 +441,20 @@ class MXFP4Format(QuantFormat):
 
     def pack(self, qt: QuantizedTensor) -> np.ndarray:
         _check_mxfp4(qt)
-        return np.concatenate([np.asarray(qt.codes, dtype=np.uint8).reshape(-1),
-                               np.asarray(qt.scales, dtype=np.uint8).reshape(-1)])
+        matrices = int(np.prod(qt.shape[:-2], dtype=np.int64))
+        return np.concatenate([np.asarray(qt.codes, dtype=np.uint8).reshape(matrices, -1),
+                               np.asarray(qt.scales, dtype=np.uint8).reshape(matrices, -1)], axis=1).reshape(-1)
 
     def unpack(self, data: np.ndarray, shape: tuple[int, ...]) -> QuantizedTensor:
         data = np.asarray(data, dtype=np.uint8)
         if data.size != self.nbytes(tuple(shape)):
             raise InfengError(f"mxfp4: {data.size} bytes, a {list(shape)} matrix takes {self.nbytes(tuple(shape))}")
-        *outer, K = shape
+        *outer, N, K = shape
         n_blocks = K // MXFP4_BLOCK
-        split = int(np.prod(outer, dtype=np.int64)) * n_blocks * MXFP4_BLOCK_BYTES
-        return QuantizedTensor("mxfp4", tuple(shape), data[:split].reshape(*outer, n_blocks, MXFP4_BLOCK_BYTES),
-                               data[split:].reshape(*outer, n_blocks))
+        per_matrix = data.reshape(int(np.prod(outer, dtype=np.int64)), -1)
+        split = N * n_blocks * MXFP4_BLOCK_BYTES
+        return QuantizedTensor("mxfp4", tuple(shape), per_matrix[:, :split].reshape(*outer, N, n_blocks, MXFP4_BLOCK_BYTES),
+                               per_matrix[:, split:].reshape(*outer, N, n_blocks))
 
 
 MXFP4 = MXFP4Format("mxfp4", "mxfp4", 4, MXFP4_BLOCK)

@@ -8,7 +8,7 @@
 | ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``) | scalar, avx2, avx512 |
 | ``linear_f8`` | fp8 e4m3 weights x f32 activations (widened through f16 in registers) | scalar, avx2, avx512 |
 | ``embedding_q`` | rows of a quantized table, dequantized | scalar |
-| ``linear_mxfp4`` | MXFP4 weights (GPT-OSS's bytes) x f32 or int8 activations (``act``), e2m1 by ``vpshufb`` | scalar, avx512 |
+| ``linear_mxfp4`` | MXFP4 weights (GPT-OSS's bytes) x f32 or int8 activations (``act``), e2m1 by ``vpshufb`` | scalar, avx2, avx512 |
 
 The avx512 templates use VNNI when the target has it (``avx512-vnni`` and above: ``__AVX512VNNI__``)
 and the AVX-512BW multiply-add pairs otherwise; the avx2 templates use AVX-VNNI under
@@ -141,7 +141,7 @@ OPS.update({
 #: Weight rows per work item of the MXFP4 linear (threads split the rows), and token rows per tile
 #: of its vector templates (f32 activations: one decoded row serves TT tokens; int8: 2 rows x TT).
 MXFP4_ROWS_PER_ITEM = 8
-_MXFP4_TT = {"scalar": 1, "avx2": 4, "avx512": 4}
+_MXFP4_TT = {"scalar": 1, "avx2": 2, "avx512": 4}
 #: Activation forms of the MXFP4 linear: f32 (exact, the default) or int8 rows in blocks of 32.
 MXFP4_ACTS = ("f32", "q8")
 
@@ -163,7 +163,7 @@ OPS["linear_mxfp4"] = _OpKernel(
     "void {sym}(ife_pool *pool, const void *x /* [T, K] f32, or int8 activation rows (act q8) */, int T, "
     "const uint8_t *w /* blocks [N, K/32, 16], then e8m0 scales [N, K/32] */, const float *bias /* [N] or NULL */, "
     "float *y /* [T, N] */)",
-    ("scalar", "avx512"),
+    ("scalar", "avx2", "avx512"),
     lambda p: [f"k{p['K']}", f"n{p['N']}", p["act"]], _check_mxfp4, _mxfp4_plan)
 
 

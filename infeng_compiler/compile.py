@@ -28,7 +28,7 @@ from .codegen.target import get_target
 from .frontends import ONNX_PIPELINE, ModelSource, import_model, model_source
 from .frontends.peft import LoraAdapter, load_adapter
 from .ir import Graph, print_graph
-from .passes.kv_cache import kv_entry, kv_summary
+from .passes.kv_cache import kv_entries, kv_summary
 from .passes.manager import PassContext, PassManager, PassRecord, format_pipeline, parse_pipeline
 from .passes.quantize import QuantReport, quant_layout, quantize_entry
 
@@ -79,14 +79,14 @@ class CompileOptions:
             k = self.max_adapters or max(4, len(slotted))
             r = self.max_rank or max([a.max_rank for a in slotted] + [16])
             entries.append(("lora-slots", [str(k), str(r)] + ([self.lora_targets] if self.lora_targets else [])))
-        kv = kv_entry(self.kv, self.kv_window, self.calib, self.calib_max_bytes)
+        kv = kv_entries(self.kv, self.kv_window, self.calib, self.calib_max_bytes)
         weights_calibrated = self.quant is not None or self.quant_policy is not None
-        if self.calib is not None and not weights_calibrated and not (kv and any(a.startswith("calib=") for a in kv[1])):
+        if self.calib is not None and not weights_calibrated and not any(a.startswith("calib=") for _, args in kv for a in args):
             raise InfengError("--calib needs --quant (calibrated weight scales) or an int8/int4 --kv (K centring)")
         quantize = quantize_entry(self.quant, self.quant_policy, *((self.calib, self.calib_max_bytes)
                                                                    if weights_calibrated else (None, None)))
         cast = [self.dtype, "all"] if self.dtype and imported_quantized else [self.dtype or "f32"]
-        return (entries + ([kv] if kv else []) + [("cast-weights", cast)] + ([quantize] if quantize else [])
+        return (entries + kv + [("cast-weights", cast)] + ([quantize] if quantize else [])
                 + [("fuse-linears", [])])
 
 

@@ -37,7 +37,7 @@ from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter, KVStore, Step
 from infeng_compiler.ir import parse, print_graph
 from infeng_compiler.ir.ops import REGISTRY
-from infeng_compiler.passes.kv_cache import kv_entry
+from infeng_compiler.passes.kv_cache import kv_entries
 from infeng_compiler.passes.manager import PassContext, PassManager, parse_pipeline
 from infeng_compiler.quant import kv as kvq
 from infeng_runtime.engine import Engine
@@ -215,14 +215,15 @@ class ByteTokenizer:
         return [1] * add_bos + [2 + b % 30 for b in text.encode()]
 
 
-@pytest.mark.parametrize("pass_name", ["kv-format", "fht-kv"])
-def test_calib_centres_k(tmp_path, pass_name):
-    """kv-format / fht-kv with calib=FILE: the mean k row of the calibration text (after RoPE; rotated
-    for fht-kv) becomes the attention node's k_mean, independently recomputed here."""
+@pytest.mark.parametrize("rotation", ["", "fht-kv,"])
+def test_calib_centres_k(tmp_path, rotation):
+    """kv-format with calib=FILE (after fht-kv or not): the mean k row of the calibration text (after
+    RoPE; rotated after fht-kv) becomes the attention node's k_mean, independently recomputed here."""
     text = tmp_path / "calib.txt"
     text.write_text("the quick brown fox jumps over the lazy dog, " * 8)
     after = one_layer()
-    PassManager(parse_pipeline(f"{pass_name}(int8,calib={text},calib_ctx=16)")).run(after, PassContext(tokenizer=ByteTokenizer()))
+    PassManager(parse_pipeline(f"{rotation}kv-format(int8,calib={text},calib_ctx=16)")).run(
+        after, PassContext(tokenizer=ByteTokenizer()))
     assert attention_line(after).startswith("%a = attention(%qr, %kr, %v, %positions, @a.k_mean) : f32[T,16]")
     assert "weight @a.k_mean : f32[8] {inline=true}" in print_graph(after)
 
@@ -235,13 +236,13 @@ def test_calib_centres_k(tmp_path, pass_name):
     positions = np.tile(np.arange(16, dtype=np.int32), len(chunks))
     rope = {"n_heads": 2, "head_dim": 4, "theta": 10000.0}
     mean = REGISTRY["rope"].reference([k.astype(np.float32), positions], [], rope, None)[0].mean(axis=0)
-    if pass_name == "fht-kv":
+    if rotation:
         mean = (mean.reshape(2, 4) @ kvq.hadamard(4)).reshape(-1)
     np.testing.assert_allclose(after.weights["a.k_mean"].raw(), mean, rtol=0, atol=1e-5)
     # without calib nothing is centred; calib with an unquantized K has nothing to gain
-    assert "k_mean" not in print_graph(run_pipeline(one_layer(), f"{pass_name}(int8)"))
+    assert "k_mean" not in print_graph(run_pipeline(one_layer(), f"{rotation}kv-format(int8)"))
     with pytest.raises(InfengError, match="centres an int8/int4 K"):
-        run_pipeline(one_layer(), f"{pass_name}(f16,calib={text})")
+        run_pipeline(one_layer(), f"{rotation}kv-format(f16,calib={text})")
 
 
 def test_fht_kv_fold_is_exact_on_stories260k(stories_dir):
@@ -274,7 +275,7 @@ def test_fht_kv_refuses_a_head_dim_that_is_not_a_power_of_two():
     arrays = {n: rng.standard_normal(s).astype(np.float32) for n, s in
               {"emb": (32, 12), "qkv": (24, 12), "o": (12, 12)}.items()}
     with pytest.raises(InfengError, match="head_dim 6, not a power of two.*does not pad"):
-        run_pipeline(parse(HEAD_DIM_6, arrays), "fht-kv(int8)")
+        run_pipeline(parse(HEAD_DIM_6, arrays), "fht-kv,kv-format(int8)")
     run_pipeline(parse(HEAD_DIM_6, arrays), "kv-format(int8)")      # without the rotation any head_dim works
 
 
@@ -297,7 +298,7 @@ def test_fht_kv_folds_into_a_fused_qkv():
 def test_fht_kv_refuses_lora_slots():
     g = run_pipeline(one_layer(), "lora-slots(2,4)")
     with pytest.raises(InfengError, match="comes from a lora_linear.*adapters are not rotated"):
-        run_pipeline(g, "fht-kv(int8)")
+        run_pipeline(g, "fht-kv")
 
 
 @pytest.mark.parametrize("scheme, window, message", [
@@ -307,17 +308,18 @@ def test_fht_kv_refuses_lora_slots():
 ])
 def test_kv_option_errors(scheme, window, message):
     with pytest.raises(InfengError, match=message):
-        kv_entry(scheme, window)
+        kv_entries(scheme, window)
 
 
 def test_kv_entries(tmp_path):
-    assert kv_entry("f32") is None
-    assert kv_entry("int4") == ("kv-format", ["int4"])
-    assert kv_entry("fht-int8", 32) == ("fht-kv", ["int8", "window=32"])
+    assert kv_entries("f32") == []
+    assert kv_entries("int4") == [("kv-format", ["int4"])]
+    assert kv_entries("fht-int8", 32) == [("fht-kv", []), ("kv-format", ["int8", "window=32"])]
     calib = tmp_path / "calib.txt"
     calib.write_text("text")
-    assert kv_entry("fht-int8", 0, calib, 1000) == ("fht-kv", ["int8", f"calib={calib.resolve()}", "calib_max_bytes=1000"])
-    assert kv_entry("f16", 0, calib) == ("kv-format", ["f16"])          # --calib may serve --quant instead
+    assert kv_entries("fht-int8", 0, calib, 1000) == [
+        ("fht-kv", []), ("kv-format", ["int8", f"calib={calib.resolve()}", "calib_max_bytes=1000"])]
+    assert kv_entries("f16", 0, calib) == [("kv-format", ["f16"])]      # --calib may serve --quant instead
     with pytest.raises(InfengError, match="--calib needs --quant .* or an int8/int4 --kv"):
         CompileOptions(kv="f16", calib=calib).pipeline()
     assert CompileOptions(kv="int8", calib=calib).pipeline()[0][1][-1] == f"calib={calib.resolve()}"
@@ -325,6 +327,12 @@ def test_kv_entries(tmp_path):
         run_pipeline(one_layer(), "kv-format(int2)")
     with pytest.raises(InfengError, match="int4 group 3 must be even and divide head_dim 4"):
         run_pipeline(one_layer(), "kv-format(int4,group=3)")
+
+
+def test_fht_kv_takes_no_formats():
+    """No pass runs another: the formats belong to the kv-format entry after fht-kv."""
+    with pytest.raises(InfengError, match=r"fht-kv takes no arguments.*fht-kv,kv-format\(int8,window=8\)"):
+        run_pipeline(one_layer(), "fht-kv(int8,window=8)")
 
 
 # ---------------------------------------------------------------------------------------------

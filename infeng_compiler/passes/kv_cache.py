@@ -1,5 +1,7 @@
-"""Passes ``kv-format(K[,V][,window=N][,group=G][,calib=FILE])`` and ``fht-kv[(same)]``: the KV
-cache format of every attention layer, and the Hadamard rotation that makes it quantize well.
+"""Passes ``kv-format(K[,V][,window=N][,group=G][,calib=FILE])`` and ``fht-kv``: the KV cache format
+of every attention layer, and the Hadamard rotation that makes it quantize well. ``--kv fht-int8``
+is the pipeline ``fht-kv,kv-format(int8)``: the rotation first, then the format (and the K centring,
+in the rotated space); neither pass runs the other.
 
 ``kv-format`` sets the attention attributes ``k_format``, ``v_format`` (f32, f16, int8, int4; V
 defaults to K), ``kv_group`` (int4 values per scale, default min(32, head_dim)) and
@@ -27,8 +29,8 @@ orthogonal, H·H = I), which spreads a few outlier channels over the whole head 
 
 In exact arithmetic both are the identity on the model's output (``tolerance`` 1e-5: float32
 rounding of the rotated weights). A head_dim that is not a power of two is refused (padding it
-would grow the cache by up to 2x; see docs/kv-cache.md). Given formats, ``fht-kv`` then sets them
-as ``kv-format`` does.
+would grow the cache by up to 2x; see docs/kv-cache.md). ``fht-kv`` takes no arguments: the
+formats are ``kv-format``'s, in the entry after it.
 """
 from __future__ import annotations
 
@@ -166,10 +168,12 @@ class KVFormat:
 @register("fht-kv")
 class FhtKV:
     name = "fht-kv"
+    tolerance = 1e-5      # relative: float32 rounding of the rotated weights
 
     def __init__(self, *args: str):
-        self.formats = KVFormat(*args) if args else None
-        self.tolerance = 1e-5 + (self.formats.tolerance if self.formats else 0.0)
+        if args:
+            raise InfengError(f"fht-kv takes no arguments, got {','.join(args)}; give the cache formats to a "
+                              f"kv-format entry after it: fht-kv,kv-format({','.join(args)})")
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         changed = False
@@ -185,8 +189,6 @@ class FhtKV:
             self.fold_v(graph, node)
             node.attrs["rotate_qk"] = True
             changed = True
-        if self.formats is not None:
-            changed |= self.formats.run(graph, ctx)
         used = {w.name for n in graph.nodes for w in n.weights}
         for name in [n for n in graph.weights if n not in used]:
             del graph.weights[name]
@@ -258,10 +260,10 @@ class FhtKV:
 KV_SCHEMES = ("f32", "f16", "int8", "int4", "fht-int8", "fht-int4")
 
 
-def kv_entry(scheme: str, window: int = 0, calib: str | Path | None = None,
-             calib_max_bytes: int | None = None) -> tuple[str, list[str]] | None:
-    """The pipeline entry for ``--kv SCHEME [--kv-window N] [--calib FILE [--calib-max-bytes N]]``
-    (None for the plain f32 cache). ``calib`` centres K (int8/int4 only; ignored otherwise, where
+def kv_entries(scheme: str, window: int = 0, calib: str | Path | None = None,
+               calib_max_bytes: int | None = None) -> list[tuple[str, list[str]]]:
+    """The pipeline entries for ``--kv SCHEME [--kv-window N] [--calib FILE [--calib-max-bytes N]]``:
+    none for the plain f32 cache, ``kv-format(...)``, or ``fht-kv`` then ``kv-format(...)``. ``calib`` centres K (int8/int4 only; ignored otherwise, where
     ``--calib`` may still serve ``--quant``)."""
     if scheme not in KV_SCHEMES:
         raise InfengError(f"--kv {scheme!r}: expected one of {', '.join(KV_SCHEMES)}")
@@ -272,11 +274,11 @@ def kv_entry(scheme: str, window: int = 0, calib: str | Path | None = None,
         raise InfengError(f"--kv-window keeps recent tokens in f16 next to an int8/int4 cache; "
                           f"--kv {scheme} has nothing to keep (use --kv int8, int4, fht-int8 or fht-int4)")
     if fmt == "f32":
-        return None
+        return []
     args = [fmt] + ([f"window={window}"] if window else [])
     if calib is not None and fmt in QUANTIZED:
         args += calibration_args(calib, calib_max_bytes)
-    return ("fht-kv" if rotate else "kv-format", args)
+    return ([("fht-kv", [])] if rotate else []) + [("kv-format", args)]
 
 
 def kv_summary(graph: Graph, kv_layers: list[dict[str, Any]], block_size: int) -> dict[str, Any]:

@@ -3,17 +3,28 @@
 ``Interpreter.step`` runs one forward step over a batch of tokens from any number of sequences,
 each at its own positions (prefill chunks and decode tokens mixed), appending to a per-sequence
 KV cache, and returns logits for the rows asked for.
+
+It is the one loop that walks a graph: ``Interpreter.run`` evaluates any list of nodes (the whole
+graph, a prefix of it, or nodes not yet placed in it) over an environment of named arrays, and an
+observer (``NodeObserver``) sees every node's inputs, weights and results as they are computed.
+Calibration (``quant/calibrate.py``) collects its statistics through the observer; the ONNX
+passes (``passes/rewrite.py``: ``fold-shapes``, the ``raise`` check) evaluate through ``run``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from infeng_common.errors import InfengError
 
-from .ir import Graph
+from .ir import Graph, Node, Weight
 from .ir.ops import get as get_op
+
+#: ``observer(node, inputs, weights, outputs)``: called after each node runs, with the arrays it read
+#: and the arrays it produced (in the order of ``node.inputs``, ``node.weights``, ``node.outputs``).
+NodeObserver = Callable[[Node, list[np.ndarray], list[np.ndarray], list[np.ndarray]], None]
 
 
 class KVStore:
@@ -60,13 +71,23 @@ class Step:
     lora: dict = field(default_factory=dict)     # adapter slot -> {base weight name: LoraModule}
 
 
-class Interpreter:
-    """Runs a Graph with numpy. Weights are widened to float32 once and kept."""
+def weight_value(w: Weight) -> np.ndarray:
+    """What a node reads of weight ``w``: float weights as float32, rounded through their storage
+    format (f16, bf16, a quantized format: what the compiled model multiplies); integer, boolean and
+    f64 constants (an ONNX import's primitive graph) as stored."""
+    if w.type.dtype in ("f32", "f16", "bf16") or "format" in w.attrs:
+        return w.numpy_f32()
+    return np.asarray(w.raw())
 
-    def __init__(self, graph: Graph):
+
+class Interpreter:
+    """Runs a Graph with numpy. Each weight is read once (``weight_value``) and kept."""
+
+    def __init__(self, graph: Graph, observer: NodeObserver | None = None):
         self.graph = graph
+        self.observer = observer
         self.kv = KVStore()
-        self._weights: dict[str, np.ndarray] = {}
+        self._weights: dict[str, tuple[Weight, np.ndarray]] = {}
         self.lora: dict[int, dict] = {}          # adapter slot -> {base weight name: LoraModule}
 
     def load_adapter(self, slot: int, adapter) -> None:
@@ -76,10 +97,26 @@ class Interpreter:
     def unload_adapter(self, slot: int) -> None:
         self.lora.pop(slot, None)
 
-    def weight(self, name: str) -> np.ndarray:
-        if name not in self._weights:
-            self._weights[name] = self.graph.weights[name].numpy_f32()
-        return self._weights[name]
+    def weight(self, w: Weight) -> np.ndarray:
+        """``weight_value(w)``, computed once per weight."""
+        kept = self._weights.get(w.name)
+        if kept is None or kept[0] is not w:
+            kept = self._weights[w.name] = (w, weight_value(w))
+        return kept[1]
+
+    def run(self, env: dict[str, np.ndarray], step: Step, nodes: Iterable[Node] | None = None) -> dict[str, np.ndarray]:
+        """Evaluate ``nodes`` (default: the graph's), in order, over ``env`` (value name -> array, the
+        inputs of the first node at least); each node's results are added to ``env``, which is
+        returned. The observer, if any, sees every node."""
+        for node in self.graph.nodes if nodes is None else nodes:
+            ins = [env[v.name] for v in node.inputs]
+            ws = [self.weight(w) for w in node.weights]
+            outs = get_op(node.op).reference(ins, ws, node.attrs, step)
+            for value, array in zip(node.outputs, outs):
+                env[value.name] = array
+            if self.observer is not None:
+                self.observer(node, ins, ws, list(outs))
+        return env
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
              logits_rows: np.ndarray | None = None, adapter_slots: np.ndarray | None = None) -> np.ndarray:
@@ -91,18 +128,12 @@ class Interpreter:
         if not (tokens.shape == positions.shape == seq_ids.shape and tokens.ndim == 1):
             raise InfengError("tokens, positions and seq_ids must be 1-D arrays of one length")
         rows = np.arange(len(tokens)) if logits_rows is None else np.asarray(logits_rows, dtype=np.int64)
-        ctx = Step(seq_ids, rows, self.kv, self.lora)
         slots = np.full(len(tokens), -1, np.int32) if adapter_slots is None else np.asarray(adapter_slots, np.int32)
         env: dict[str, np.ndarray] = {"tokens": tokens, "positions": positions, "adapter_slots": slots}
         for v in self.graph.inputs:
             if v.name not in env:
                 raise InfengError(f"graph input %{v.name} is not provided by the interpreter")
-        for node in self.graph.nodes:
-            ins = [env[v.name] for v in node.inputs]
-            ws = [self.weight(w.name) for w in node.weights]
-            outs = get_op(node.op).reference(ins, ws, node.attrs, ctx)
-            for value, array in zip(node.outputs, outs):
-                env[value.name] = array
+        self.run(env, Step(seq_ids, rows, self.kv, self.lora))
         return env[self.graph.outputs[0].name]
 
     def free(self, seq: int) -> None:

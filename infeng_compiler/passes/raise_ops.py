@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 
 from ..frontends.onnx import PROBE_LENGTHS
+from ..interp import Interpreter
 from ..ir import Graph, Node, TensorType, Value, Weight
 from ..ir.ops import const_array, rope_inv_freq
 from .manager import PassContext, register
-from .rewrite import ProbeStep, dead_code_elimination, evaluate, length_only_values, make_node, place, run_node
+from .rewrite import dead_code_elimination, evaluate, length_only_values, make_node, place, probe_step
 
 _LAYOUT = ("reshape", "transpose", "unsqueeze", "squeeze", "expand", "identity", "add_batch", "drop_batch")
 
@@ -179,9 +180,7 @@ class _Raiser:
     def commit(self, root: Node, old: Value, new_value: Value, new: list[Node], kind: str,
                compare_rows: bool = False) -> bool:
         """Check the replacement by value, then splice it in before ``root`` and bridge ``old``."""
-        env, step = dict(self.env), ProbeStep(self.length)
-        for n in new:
-            run_node(n, env, step)
+        env = Interpreter(self.g).run(dict(self.env), probe_step(self.length), new)
         want = np.asarray(self.env[old.name], dtype=np.float64)
         got = np.asarray(env[new_value.name], dtype=np.float64)
         if compare_rows:
@@ -298,9 +297,7 @@ class _Raiser:
         split = make_node(self.g, "split", [rows], attrs={"sizes": sizes},
                           out_names=[self.g.fresh(o.name + ".r") for o in node.outputs])
         new.append(split)
-        env, step = dict(self.env), ProbeStep(self.length)
-        for n in new:
-            run_node(n, env, step)
+        env = Interpreter(self.g).run(dict(self.env), probe_step(self.length), new)
         for o, r in zip(node.outputs, split.outputs):
             if not np.array_equal(env[r.name].reshape(-1), self.env[o.name].reshape(-1)):
                 return False

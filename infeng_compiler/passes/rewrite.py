@@ -1,6 +1,6 @@
 """Graph-rewriting helpers shared by the ONNX passes (``fold-shapes``, ``raise``, ``dce``): probe
-evaluation of a single sequence, the set of values that depend only on the sequence length,
-dead-code elimination, node construction at a position.
+evaluation of a single sequence (through the interpreter), the set of values that depend only on
+the sequence length, dead-code elimination, node construction at a position.
 """
 from __future__ import annotations
 
@@ -8,20 +8,13 @@ from typing import Any
 
 import numpy as np
 
+from ..interp import Interpreter, KVStore, Step
 from ..ir import Graph, Node, TensorType, Value
-from ..ir.ops import get as get_op
 
 
-class ProbeStep:
+def probe_step(length: int) -> Step:
     """The step a probe evaluation runs: one sequence of ``length`` tokens from position 0."""
-
-    def __init__(self, length: int):
-        from ..interp import KVStore
-
-        self.seq_ids = np.zeros(length, dtype=np.int32)
-        self.logits_rows = np.arange(length)
-        self.kv = KVStore()
-        self.lora: dict = {}
+    return Step(np.zeros(length, dtype=np.int32), np.arange(length), KVStore())
 
 
 def probe_inputs(graph: Graph, length: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -34,27 +27,19 @@ def evaluate(graph: Graph, length: int, only: set[str] | None = None,
              env: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Every value of ``graph`` (or of the nodes producing ``only``) for one probe sequence."""
     env = dict(env or probe_inputs(graph, length))
-    step = ProbeStep(length)
-    for node in graph.nodes:
-        if only is not None and not any(v.name in only for v in node.outputs):
-            continue
-        if node.op == "shape" and node.inputs[0].name not in env:   # only its shape is read
-            env[node.inputs[0].name] = placeholder(node.inputs[0].type, length)
-        run_node(node, env, step)
-    return env
+    nodes = [n for n in graph.nodes if only is None or any(v.name in only for v in n.outputs)]
+    produced = {v.name for n in nodes for v in n.outputs}
+    for node in nodes:
+        x = node.inputs[0] if node.op == "shape" else None
+        if x is not None and x.name not in env and x.name not in produced:   # only its shape is read
+            env[x.name] = placeholder(x.type, length)
+    return Interpreter(graph).run(env, probe_step(length), nodes)
 
 
 def placeholder(vtype: TensorType, length: int) -> np.ndarray:
     """An array of type ``vtype`` at sequence length ``length`` (contents undefined)."""
     dims = [length + (int(d[1:]) if len(d) > 1 else 0) if isinstance(d, str) else d for d in vtype.shape]
     return np.zeros(dims, dtype=np.bool_ if vtype.dtype == "bool" else np.float32)
-
-
-def run_node(node: Node, env: dict[str, np.ndarray], step: Any) -> None:
-    ws = [w.numpy_f32() if w.type.dtype in ("f16", "bf16") else np.asarray(w.raw()) for w in node.weights]
-    outs = get_op(node.op).reference([env[v.name] for v in node.inputs], ws, node.attrs, step)
-    for value, array in zip(node.outputs, outs):
-        env[value.name] = array
 
 
 def length_only_values(graph: Graph) -> set[str]:

@@ -18,8 +18,8 @@ import numpy as np
 
 from infeng_common.errors import InfengError
 
-from ..ir import Graph
-from ..ir.ops import get as get_op
+from ..interp import Interpreter, KVStore, NodeObserver, Step
+from ..ir import Graph, Node
 
 #: ops whose first input is multiplied by their first weight (the tensors a search can weigh)
 MATMUL_OPS = ("linear", "lora_linear", "logits")
@@ -65,37 +65,17 @@ def calibration_ids(tokenizer, path: str | Path, max_bytes: int | None, ctx: int
 
 def collect(graph: Graph, chunks: np.ndarray, batch: int = 8,
             progress: Callable[[int, int], None] | None = None) -> dict[str, ActStats]:
-    """Run ``graph`` (float32) over ``chunks`` [n, ctx]; statistics of every matmul input value."""
-    from ..interp import KVStore, Step
-
+    """Run ``graph`` (float32) over ``chunks`` [n, ctx]; statistics of every matmul input value.
+    The ``logits`` node is not run: its input is counted, its result is not needed."""
     watched = {n.inputs[0].name for n in graph.nodes if n.op in MATMUL_OPS}
-    weights: dict[str, np.ndarray] = {}
     sums: dict[str, list] = {}
-    n, ctx = chunks.shape
-    for start in range(0, n, batch):
-        group = chunks[start:start + batch]
-        b = len(group)
-        tokens = group.reshape(-1).astype(np.int32)
-        positions = np.tile(np.arange(ctx, dtype=np.int32), b)
-        seq_ids = np.repeat(np.arange(b, dtype=np.int32), ctx)
-        step = Step(seq_ids, np.arange(len(tokens)), KVStore())
-        env: dict[str, np.ndarray] = {"tokens": tokens, "positions": positions,
-                                      "adapter_slots": np.full(len(tokens), -1, np.int32)}
-        for node in graph.nodes:
-            ws = []
-            for w in node.weights:
-                if w.name not in weights:
-                    weights[w.name] = w.numpy_f32()
-                ws.append(weights[w.name])
-            if node.op == "logits":                     # its input is already counted; no logits needed
-                continue
-            outs = get_op(node.op).reference([env[v.name] for v in node.inputs], ws, node.attrs, step)
-            for value, array in zip(node.outputs, outs):
-                env[value.name] = array
-                if value.name in watched:
-                    _accumulate(sums, value.name, array)
-        if progress:
-            progress(min(start + batch, n), n)
+
+    def observe(node: Node, inputs: list[np.ndarray], weights: list[np.ndarray], outputs: list[np.ndarray]) -> None:
+        for value, array in zip(node.outputs, outputs):
+            if value.name in watched:
+                _accumulate(sums, value.name, array)
+
+    _run_chunks(graph, [n for n in graph.nodes if n.op != "logits"], chunks, batch, observe, progress)
     return {name: ActStats(cnt, absum / cnt, gram) for name, (cnt, absum, gram) in sums.items()}
 
 
@@ -112,15 +92,27 @@ def value_means(graph: Graph, chunks: np.ndarray, names: set[str], batch: int = 
     """Run ``graph`` (float32) over ``chunks`` [n, ctx]: the mean row (float64 [width]) of every value
     in ``names`` over all calibration tokens. Nodes after the last producer of a watched value are
     not run."""
-    from ..interp import KVStore, Step
-
     producers = [i for i, n in enumerate(graph.nodes) if any(o.name in names for o in n.outputs)]
     missing = names - {o.name for n in graph.nodes for o in n.outputs}
     if missing:
         raise InfengError(f"calibration: no node produces {', '.join(sorted(missing))}")
-    nodes = graph.nodes[: max(producers) + 1]
-    weights: dict[str, np.ndarray] = {}
     sums: dict[str, np.ndarray] = {}
+
+    def observe(node: Node, inputs: list[np.ndarray], weights: list[np.ndarray], outputs: list[np.ndarray]) -> None:
+        for value, array in zip(node.outputs, outputs):
+            if value.name in names:
+                rows = np.asarray(array, dtype=np.float64).reshape(-1, array.shape[-1])
+                sums[value.name] = sums.get(value.name, 0.0) + rows.sum(axis=0)
+
+    _run_chunks(graph, graph.nodes[: max(producers) + 1], chunks, batch, observe, progress)
+    return {name: total / chunks.size for name, total in sums.items()}
+
+
+def _run_chunks(graph: Graph, nodes: list[Node], chunks: np.ndarray, batch: int, observer: NodeObserver,
+                progress: Callable[[int, int], None] | None) -> None:
+    """Run ``nodes`` of ``graph`` with the interpreter over ``chunks`` [n, ctx], ``batch`` chunks (one
+    sequence each, from position 0, a fresh KV cache) per step; ``observer`` sees every node."""
+    interpreter = Interpreter(graph, observer)
     n, ctx = chunks.shape
     for start in range(0, n, batch):
         group = chunks[start:start + batch]
@@ -129,18 +121,6 @@ def value_means(graph: Graph, chunks: np.ndarray, names: set[str], batch: int = 
         step = Step(np.repeat(np.arange(b, dtype=np.int32), ctx), np.arange(len(tokens)), KVStore())
         env: dict[str, np.ndarray] = {"tokens": tokens, "positions": np.tile(np.arange(ctx, dtype=np.int32), b),
                                       "adapter_slots": np.full(len(tokens), -1, np.int32)}
-        for node in nodes:
-            ws = []
-            for w in node.weights:
-                if w.name not in weights:
-                    weights[w.name] = w.numpy_f32()
-                ws.append(weights[w.name])
-            outs = get_op(node.op).reference([env[v.name] for v in node.inputs], ws, node.attrs, step)
-            for value, array in zip(node.outputs, outs):
-                env[value.name] = array
-                if value.name in names:
-                    rows = np.asarray(array, dtype=np.float64).reshape(-1, array.shape[-1])
-                    sums[value.name] = sums.get(value.name, 0.0) + rows.sum(axis=0)
+        interpreter.run(env, step, nodes)
         if progress:
             progress(min(start + batch, n), n)
-    return {name: total / chunks.size for name, total in sums.items()}

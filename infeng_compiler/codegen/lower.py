@@ -13,12 +13,13 @@ from typing import Any
 from infeng_common.errors import UnsupportedError
 
 from ..ir import Graph, Node, Value, Weight
-from ..ir.ops import rope_inv_freq
+from ..ir.ops import attention_weights, rope_inv_freq
 from ..quant.act import act_row_layout
 from ..quant.formats import get_format, is_quantized
 from ..quant.kv import QUANTIZED, attention_kv_formats, layer_block_bytes, plain_f32
 from . import quant_kernels  # noqa: F401  (registers the quantized kernels)
 from .kernels import KVQ_RING_ALIGN, KernelSpec
+from .moe_kernels import check_expert_formats, expert_linears, quantized_row_floats
 from .quant_kernels import linear_op
 from .target import Target
 
@@ -363,7 +364,10 @@ class _Lowering:
         ring_rows = align(a["kv_window"] + self.max_tokens, KVQ_RING_ALIGN) if a.get("kv_window") else 0
         self.kv_layers.append(self.kv_layer(a, k_format, v_format, ring_rows))
         q, k, v = (self.buf(x) for x in n.inputs[:3])
-        if plain_f32(a) and not n.weights:
+        k_mean_weight, sinks = attention_weights(n.weights, a)
+        if sinks is not None:
+            raise UnsupportedError(f"codegen has no attention kernel with sinks yet (GPT-OSS; docs/moe.md): {comment}")
+        if plain_f32(a) and k_mean_weight is None:
             spec = self.spec("attention", n_heads=a["n_heads"], n_kv_heads=a["n_kv_heads"], head_dim=a["head_dim"],
                              block_size=self.block_size, scale=float(a["scale"]), window=int(a.get("window") or 0))
             self.emit(spec, ["pool", q, k, v, "T", "positions", "seq_slots", "block_table", "max_blocks",
@@ -414,3 +418,66 @@ class _Lowering:
             spec = self.spec("copy_cols", IN=self.width(x), OFFSET=offset, WIDTH=width)
             self.emit(spec, [self.buf(x), "T", self.buf(out)], comment)
             offset += width
+
+    # -- mixture of experts (docs/moe.md) --------------------------------------------------
+    def lower_router(self, n: Node, comment: str) -> None:
+        """The router logits through a linear kernel, then the top-k selection."""
+        w = n.weights[0]
+        if linear_op(w.format) is not None:
+            raise UnsupportedError(f"router weights in format {w.format} have no kernel (f32/f16/bf16): {comment}")
+        E, H = w.type.shape
+        logits = self.arena.take(E)
+        bias = self.weight(n.weights[1]) if len(n.weights) > 1 else "NULL"
+        self.emit(self.spec("linear", K=H, N=E, wdtype=w.format),
+                  ["pool", self.buf(n.inputs[0]), "T", self.weight(w), bias, f"(arena + {logits} * IFE_MAX_TOKENS)"],
+                  comment + "  [router logits]")
+        weights, ids = n.outputs
+        spec = self.spec("router", E=E, top_k=n.attrs["top_k"], scoring=n.attrs["scoring"],
+                         renormalize=n.attrs["renormalize"])
+        self.emit(spec, [f"(arena + {logits} * IFE_MAX_TOKENS)", "T", self.buf(weights), f"(int32_t *){self.buf(ids)}"],
+                  comment)
+        self.arena.give(logits, E)
+
+    def lower_experts(self, n: Node, comment: str) -> None:
+        """The expert-grouped driver over the linear kernels of the expert weights' format, with its
+        work rows in the arena (moe_kernels.py)."""
+        gate_up, down = n.weights[:2]
+        check_expert_formats(gate_up.format, down.format, comment)
+        E, two_i, H = gate_up.type.shape
+        biases = n.weights[2:]
+        bdtype = biases[0].format if biases else "none"
+        if biases and biases[1].format != bdtype:
+            raise UnsupportedError(f"experts: biases in formats {bdtype} and {biases[1].format}: {comment}")
+        a = n.attrs
+        top_k = n.inputs[1].type.shape[-1]
+        spec = self.spec("experts", E=E, H=H, I=two_i // 2, top_k=top_k, activation=a["activation"], gate_up=a["gate_up"],
+                         alpha=float(a.get("alpha", 0.0)), limit=float(a.get("limit", 0.0)), wformat=gate_up.format,
+                         bdtype=bdtype, target=self.target.name)
+        linears = expert_linears(dict(spec.params))
+        for called in (linears["gate_up"], linears["down"], linears["quant_x"], linears["quant_act"]):
+            if called is not None:
+                self.specs.setdefault(called, None)
+        widths = {"pairs": top_k, "xg": H, "h": two_i, "act": two_i // 2, "y": H,
+                  "xq": quantized_row_floats(linears["quant_x"], H),
+                  "actq": quantized_row_floats(linears["quant_act"], two_i // 2)}
+        work = {name: self.arena.take(width) for name, width in widths.items() if width}
+        buf = {name: f"(arena + {offset} * IFE_MAX_TOKENS)" for name, offset in work.items()}
+        x, rw, ids = n.inputs
+        self.emit(spec, ["pool", self.buf(x), "T", self.buf(rw), f"(const int32_t *){self.buf(ids)}",
+                         self.weight(gate_up), self.weight(down),
+                         self.weight(biases[0]) if biases else "NULL", self.weight(biases[1]) if biases else "NULL",
+                         f"(int32_t *){buf['pairs']}", buf["xg"], buf.get("xq", "NULL"), buf["h"], buf["act"],
+                         buf.get("actq", "NULL"), buf["y"], self.buf(n.output)], comment)
+        for name, offset in work.items():
+            self.arena.give(offset, widths[name])
+
+    def lower_head_rms_norm(self, n: Node, comment: str) -> None:
+        spec = self.spec("head_rms_norm", H=self.width(n.output), head_dim=n.attrs["head_dim"], eps=float(n.attrs["eps"]))
+        self.emit(spec, [self.buf(n.inputs[0]), "T", self.weight(n.weights[0]), self.buf(n.output)], comment)
+
+    def lower_sigmoid_gate(self, n: Node, comment: str) -> None:
+        w = n.weights[0]
+        if linear_op(w.format) is not None:
+            raise UnsupportedError(f"sigmoid_gate weights in format {w.format} have no kernel (f32/f16/bf16): {comment}")
+        spec = self.spec("sigmoid_gate", N=self.width(n.output), K=w.type.shape[1], wdtype=w.format)
+        self.emit(spec, [self.buf(n.inputs[0]), self.buf(n.inputs[1]), "T", self.weight(w), self.buf(n.output)], comment)

@@ -1,4 +1,4 @@
-"""Pass ``cast-weights(dtype)``: store matrix weights (rank 2) as f32, f16 or bf16.
+"""Pass ``cast-weights(dtype)``: store matrix weights (rank 2, and rank 3: stacked experts) as f32, f16 or bf16.
 
 Vectors (norm weights, biases) stay f32: they are tiny and feed additions, not dot products.
 Weights imported quantized (``prequantized``: GGUF Q8_0/Q4_0/Q4_1 as q8g32/q4g32/q4g32m) keep their
@@ -44,7 +44,7 @@ class CastWeights:
                 if not self.widen_imported:
                     continue
                 del w.attrs["prequantized"]
-            fmt = self.dtype if w.type.rank == 2 else "f32"
+            fmt = self.dtype if w.type.rank in (2, 3) else "f32"      # 3: stacked experts [E, out, in]
             if w.attrs.get("format", w.type.dtype) != fmt:
                 w.attrs["format"] = fmt
                 changed = True

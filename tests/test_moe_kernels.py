@@ -1,0 +1,190 @@
+"""The mixture-of-experts kernels (router, experts, head_rms_norm, sigmoid_gate), for every ISA this
+host runs, against the numpy references of the op registry (``ir/moe_ops.py``).
+
+The experts driver calls the target's linear kernels, so each ISA exercises its own; weights in
+f16/bf16 are compared with the reference fed the same rounded weights (f32 tolerance: only the
+accumulation order differs), except bf16 weights on avx512-bf16, whose linear kernels also round
+activations to bf16 (2e-2, as tests/test_kernels.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import cffi
+import numpy as np
+import pytest
+
+from infeng_compiler.codegen.build import build_library
+from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
+from infeng_compiler.codegen.moe_kernels import expert_linears
+from infeng_compiler.codegen.target import TARGETS, host_features
+from infeng_compiler.ir.moe_ops import route
+from infeng_compiler.ir.ops import REGISTRY
+from infeng_compiler.ir.types import bf16_to_f32, f32_to_bf16
+
+HOST = host_features()
+RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(HOST)]
+POOL_THREADS = 3
+F32_TOL = 1e-5            # max abs error / max |reference|
+BF16_DOT_TOL = 2e-2
+TOKENS = [1, 2, 5, 17, 70]          # decode, batched decode, the packed GEMM path of the linear kernels
+
+#: (E, H, I, top_k, activation, gate_up layout, biases)
+EXPERT_CASES = [
+    (4, 64, 48, 2, "silu", "concat", False),
+    (5, 40, 24, 3, "swiglu_clamp", "interleaved", True),
+    (8, 96, 40, 1, "silu", "concat", True),
+]
+WDTYPES = ["f32", "f16", "bf16"]
+ROUTER_CASES = [(4, 2, "softmax", True), (8, 3, "softmax", False), (5, 2, "topk_softmax", False), (32, 4, "softmax", True)]
+SWIGLU = {"alpha": 1.702, "limit": 7.0}
+
+
+def experts_spec(isa: str, case: tuple, wdtype: str, bdtype: str) -> KernelSpec:
+    E, H, I, k, activation, layout, _ = case
+    extra = SWIGLU if activation == "swiglu_clamp" else {"alpha": 0.0, "limit": 0.0}
+    return KernelSpec.make("experts", isa, E=E, H=H, I=I, top_k=k, activation=activation, gate_up=layout,
+                           wformat=wdtype, bdtype=bdtype, target=isa, **extra)
+
+
+def grid_specs(isa: str) -> list[KernelSpec]:
+    specs = []
+    for case in EXPERT_CASES:
+        for wdtype in WDTYPES:
+            spec = experts_spec(isa, case, wdtype, wdtype if case[-1] else "none")
+            called = expert_linears(dict(spec.params))
+            specs += [spec, called["gate_up"], called["down"]]
+    for E, k, scoring, renorm in ROUTER_CASES:
+        specs.append(KernelSpec.make("router", isa, E=E, top_k=k, scoring=scoring, renormalize=renorm))
+    specs.append(KernelSpec.make("head_rms_norm", isa, H=96, head_dim=24, eps=1e-6))
+    for wdtype in WDTYPES:
+        specs.append(KernelSpec.make("sigmoid_gate", isa, N=40, K=64, wdtype=wdtype))
+    return list(dict.fromkeys(specs))
+
+
+class KernelLib:
+    def __init__(self, isa: str):
+        self.isa = isa
+        specs = grid_specs(isa)
+        sources, baseline = library_sources(specs, TARGETS[isa])
+        self.build = build_library(sources, TARGETS[isa], baseline_sources=baseline)
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(cdef(specs))
+        self.lib = self.ffi.dlopen(str(self.build.path))
+        self.pool = self.ffi.gc(self.lib.ife_pool_create(POOL_THREADS), self.lib.ife_pool_destroy)
+
+    def fn(self, spec: KernelSpec):
+        return getattr(self.lib, spec.symbol)
+
+    def ptr(self, array: np.ndarray | None, ctype: str = "void *"):
+        if array is None:
+            return self.ffi.NULL
+        assert array.flags.c_contiguous
+        return self.ffi.cast(ctype, self.ffi.from_buffer(array))
+
+
+@functools.cache
+def kernel_lib(isa: str) -> KernelLib:
+    return KernelLib(isa)
+
+
+@pytest.fixture(scope="session", params=RUNNABLE)
+def klib(request) -> KernelLib:
+    return kernel_lib(request.param)
+
+
+def stored_and_f32(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` in storage ``dtype`` (bf16 as uint16 bits) and the float32 values it holds."""
+    if dtype == "f16":
+        s = x.astype(np.float16)
+        return s, s.astype(np.float32)
+    if dtype == "bf16":
+        s = f32_to_bf16(x)
+        return s, bf16_to_f32(s)
+    return np.ascontiguousarray(x, dtype=np.float32), x.astype(np.float32)
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(got - ref))) / (float(np.max(np.abs(ref))) or 1.0)
+
+
+def random_routes(rng: np.random.Generator, T: int, E: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct experts per token (some experts chosen by no token when T is small), weights in (0, 1)."""
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    return rng.random((T, k)).astype(np.float32), ids
+
+
+@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: f"e{c[0]}h{c[1]}i{c[2]}k{c[3]}{c[4]}")
+def test_experts(klib: KernelLib, case: tuple, wdtype: str) -> None:
+    E, H, I, k, activation, layout, biases = case
+    bdtype = wdtype if biases else "none"
+    spec = experts_spec(klib.isa, case, wdtype, bdtype)
+    gate_up_spec = expert_linears(dict(spec.params))["gate_up"]
+    tol = BF16_DOT_TOL if template_isa(gate_up_spec) == "avx512-bf16" else F32_TOL
+    rng = np.random.default_rng(E * H + I)
+    gu, gu32 = stored_and_f32(rng.standard_normal((E, 2 * I, H), dtype=np.float32) * 0.3, wdtype)
+    dn, dn32 = stored_and_f32(rng.standard_normal((E, H, I), dtype=np.float32) * 0.3, wdtype)
+    bias_pair = [stored_and_f32(rng.standard_normal(shape, dtype=np.float32), bdtype) for shape in ((E, 2 * I), (E, H))] \
+        if biases else [(None, None), (None, None)]
+    attrs = {"activation": activation, "gate_up": layout, **(SWIGLU if activation == "swiglu_clamp" else {})}
+    for T in TOKENS:
+        x = rng.standard_normal((T, H), dtype=np.float32) * 2.0
+        rw, ids = random_routes(rng, T, E, k)
+        work = {name: np.zeros(T * width, dtype=np.float32) for name, width in
+                (("pairs", k), ("xg", H), ("h", 2 * I), ("act", I), ("y", H))}
+        out = np.full((T, H), np.nan, dtype=np.float32)
+        klib.fn(spec)(klib.pool, klib.ptr(x, "float *"), T, klib.ptr(rw, "float *"), klib.ptr(ids, "int32_t *"),
+                      klib.ptr(gu), klib.ptr(dn), klib.ptr(bias_pair[0][0]), klib.ptr(bias_pair[1][0]),
+                      klib.ptr(work["pairs"], "int32_t *"), klib.ptr(work["xg"], "float *"), klib.ffi.NULL,
+                      klib.ptr(work["h"], "float *"), klib.ptr(work["act"], "float *"), klib.ffi.NULL,
+                      klib.ptr(work["y"], "float *"), klib.ptr(out, "float *"))
+        ws = [gu32, dn32] + ([bias_pair[0][1], bias_pair[1][1]] if biases else [])
+        ref = REGISTRY["experts"].reference([x, rw, ids], ws, attrs, None)[0]
+        assert rel_err(out, ref) <= tol, f"T={T}: error {rel_err(out, ref):.3g}"
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES, ids=lambda c: f"e{c[0]}k{c[1]}{c[2]}{'-norm' if c[3] else ''}")
+def test_router(klib: KernelLib, case: tuple) -> None:
+    E, k, scoring, renorm = case
+    spec = KernelSpec.make("router", klib.isa, E=E, top_k=k, scoring=scoring, renormalize=renorm)
+    rng = np.random.default_rng(E + k)
+    for T in TOKENS:
+        logits = rng.standard_normal((T, E), dtype=np.float32) * 3.0
+        weights = np.full((T, k), np.nan, dtype=np.float32)
+        ids = np.full((T, k), -1, dtype=np.int32)
+        klib.fn(spec)(klib.ptr(logits, "float *"), T, klib.ptr(weights, "float *"), klib.ptr(ids, "int32_t *"))
+        want_w, want_ids = route(logits, k, scoring, renorm)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_allclose(weights, want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_router_ties_go_to_the_lower_expert(klib: KernelLib) -> None:
+    spec = KernelSpec.make("router", klib.isa, E=4, top_k=2, scoring="softmax", renormalize=True)
+    logits = np.array([[0.5, 2.0, 2.0, 2.0]], dtype=np.float32)
+    weights, ids = np.zeros((1, 2), np.float32), np.zeros((1, 2), np.int32)
+    klib.fn(spec)(klib.ptr(logits, "float *"), 1, klib.ptr(weights, "float *"), klib.ptr(ids, "int32_t *"))
+    assert ids.tolist() == route(logits, 2, "softmax", True)[1].tolist() == [[1, 2]]
+
+
+def test_head_rms_norm(klib: KernelLib) -> None:
+    spec = KernelSpec.make("head_rms_norm", klib.isa, H=96, head_dim=24, eps=1e-6)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((9, 96), dtype=np.float32)
+    w = rng.standard_normal(24, dtype=np.float32)
+    out = np.full_like(x, np.nan)
+    klib.fn(spec)(klib.ptr(x, "float *"), 9, klib.ptr(w, "float *"), klib.ptr(out, "float *"))
+    ref = REGISTRY["head_rms_norm"].reference([x], [w], {"eps": 1e-6, "head_dim": 24}, None)[0]
+    assert rel_err(out, ref) <= F32_TOL
+
+
+@pytest.mark.parametrize("wdtype", WDTYPES)
+def test_sigmoid_gate(klib: KernelLib, wdtype: str) -> None:
+    spec = KernelSpec.make("sigmoid_gate", klib.isa, N=40, K=64, wdtype=wdtype)
+    rng = np.random.default_rng(11)
+    y, x = rng.standard_normal((6, 40), dtype=np.float32), rng.standard_normal((6, 64), dtype=np.float32)
+    w, w32 = stored_and_f32(rng.standard_normal((1, 64), dtype=np.float32) * 0.3, wdtype)
+    out = np.full_like(y, np.nan)
+    klib.fn(spec)(klib.ptr(y, "float *"), klib.ptr(x, "float *"), 6, klib.ptr(w), klib.ptr(out, "float *"))
+    ref = REGISTRY["sigmoid_gate"].reference([y, x], [w32], {}, None)[0]
+    assert rel_err(out, ref) <= F32_TOL

@@ -544,31 +544,35 @@ def _adapter_slots(artifact: Path) -> int:
 
 def deploy(config: RayServeConfig, address: str | None = None, blocking: bool = True) -> str:
     """Start (or join, at ``address``) a Ray cluster, run the application on ``options.host:port``
-    and return its URL; with ``blocking``, serve until SIGINT/SIGTERM, then delete it."""
+    and return its URL; with ``blocking``, serve until SIGINT/SIGTERM, then delete the application
+    (and stop the cluster if this call started it)."""
+    import signal
+    import threading
+
     import ray
 
     app = build_app(config)
+    stop = threading.Event()
+    if blocking:                           # before anything starts: a signal during start-up still stops cleanly
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    started_here = not ray.is_initialized() and not address
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
-    serve.start(http_options={"host": config.options.host, "port": config.options.port})
-    serve.run(app, name=config.app_name, route_prefix="/")
     url = f"http://{config.options.host}:{config.options.port}"
-    if blocking:
-        import signal
-
-        stop = asyncio.Event()
-
-        async def wait() -> None:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
-            _log.warning("serving", extra={"fields": {"url": url, "app": config.app_name}})
-            await stop.wait()
-
-        try:
-            asyncio.run(wait())
-        finally:
-            serve.delete(config.app_name)
+    try:
+        serve.start(http_options={"host": config.options.host, "port": config.options.port})
+        serve.run(app, name=config.app_name, route_prefix="/")
+        if not blocking:
+            return url
+        _log.warning("serving", extra={"fields": {"url": url, "app": config.app_name}})
+        while not stop.wait(1.0):
+            pass
+        serve.delete(config.app_name)
+    finally:
+        if blocking and started_here:
+            serve.shutdown()
+            ray.shutdown()
     return url
 
 

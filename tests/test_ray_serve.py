@@ -1,0 +1,257 @@
+"""``infeng serve-ray``: infeng replicas on a local Ray Serve cluster, driven by the official
+``openai`` client, checked against ``infeng serve`` on the same artifact (greedy outputs equal).
+
+One Ray cluster serves the module: 2 engine replicas x 1 thread, room for 1 adapter each. The
+references come first, from one ``infeng serve`` subprocess, so the two never compete for the
+machine's cores. Every wait is bounded.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+from _serving import ADAPTER_NAMES, adapters, free_port, infeng_command, running_server, served_artifact
+
+openai = pytest.importorskip("openai")
+ray = pytest.importorskip("ray")
+from ray import serve
+
+from infeng_runtime.ray_serve import ENGINE_DEPLOYMENT, RayServeConfig, build_app
+from infeng_runtime.server import ServeOptions
+
+APP = "infeng-test"
+PROMPTS = [f"Once upon a time, {name} went to the" for name in
+           ("Lily", "Tom", "Ben", "Sue", "Max", "Anna", "Tim", "Mia")] * 4         # 32 requests
+STREAM_TOKENS = 24
+ADAPTER_PROMPTS = ["Once upon a time", "The little dog"]
+KILL_STREAMS = 12
+KILL_TOKENS = 320
+REQUEST_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return served_artifact(tmp_path_factory.mktemp("ray-artifact"))
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tmp_path_factory):
+    return adapters(tmp_path_factory.mktemp("ray-adapters"))
+
+
+@pytest.fixture(scope="module")
+def references(artifact, adapter_dirs, tmp_path_factory) -> dict[tuple[str, str, int], str]:
+    """Greedy texts from ``infeng serve`` for every (model, prompt, max_tokens) the tests send."""
+    args = [a for name, path in adapter_dirs.items() for a in ("--adapter", f"{name}={path}")]
+    wanted = [("stories260K", p, STREAM_TOKENS) for p in dict.fromkeys(PROMPTS)]
+    wanted += [(name, p, STREAM_TOKENS) for name in ADAPTER_NAMES for p in ADAPTER_PROMPTS]
+    wanted += [("stories260K", p, KILL_TOKENS) for p in dict.fromkeys(PROMPTS)]
+    out = {}
+    with running_server(artifact, *args, "--max-seqs", "8", log=tmp_path_factory.mktemp("log") / "serve.log") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
+        for model, prompt, n in wanted:
+            got = client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            out[(model, prompt, n)] = got.choices[0].text
+    return out
+
+
+def test_cli_refuses_bad_input_in_one_line(artifact):
+    """Before any cluster starts: a bad flag is one line naming it, exit 2."""
+    out = subprocess.run([*infeng_command(), "serve-ray", str(artifact), "--replicas", "2", "--min-replicas", "3",
+                          "--max-replicas", "4"], check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "--replicas 2" in out.stderr
+
+
+def test_cli_serves_and_stops_on_sigint(artifact, tmp_path):
+    """``infeng serve-ray ARTIFACT`` starts its own Ray cluster, answers, and exits 0 on SIGINT
+    (run first: the module's cluster starts after it)."""
+    port = free_port()
+    log = tmp_path / "serve-ray.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([*infeng_command(), "serve-ray", str(artifact), "--replicas", "1", "--port", str(port),
+                                 "--max-seqs", "4"], stdout=sink, stderr=subprocess.STDOUT,
+                                env={**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _health(url) == 200, 180, lambda: log.read_text()[-3000:])
+        got = httpx.post(f"{url}/v1/completions", timeout=60,
+                         json={"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 8})
+        assert got.status_code == 200 and got.json()["usage"]["completion_tokens"] == 8
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def cluster(artifact, adapter_dirs, references):
+    """Ray with 2 CPUs for 2 engine replicas x 1 thread; the router, proxy and controller take none."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
+             _metrics_export_port=free_port(), _system_config={"metrics_report_interval_ms": 1000})
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        options = ServeOptions(host="127.0.0.1", port=port, max_seqs=16, adapters=adapter_dirs)
+        config = RayServeConfig(artifact, options, replicas=2, threads_per_replica=1, adapters_per_replica=1,
+                                app_name=APP)
+        serve.run(build_app(config), name=APP, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+async def stream_text(client, model: str, prompt: str, max_tokens: int) -> tuple[str, str]:
+    """(the streamed text, the replica that served it)."""
+    raw = await client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                            temperature=0, stream=True,
+                                                            extra_body={"ignore_eos": True})
+    replica = raw.headers.get("x-infeng-replica", "")
+    chunks = raw.parse()
+    if inspect.isawaitable(chunks):                  # openai < 2 returns a coroutine
+        chunks = await chunks
+    text = "".join([c.choices[0].text async for c in chunks if c.choices])
+    return text, replica
+
+
+def streams(url: str, requests: list[tuple[str, str, int]]) -> list[tuple[str, str]]:
+    """The requests (model, prompt, max_tokens) streamed at once by the official async client."""
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                      timeout=REQUEST_TIMEOUT_S) as client:
+            return await asyncio.wait_for(asyncio.gather(*(stream_text(client, *r) for r in requests)),
+                                          REQUEST_TIMEOUT_S)
+    return asyncio.run(run())
+
+
+def test_models_and_health(cluster):
+    models = httpx.get(f"{cluster}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == ["stories260K", *ADAPTER_NAMES]
+    health = httpx.get(f"{cluster}/health", timeout=30)
+    assert health.status_code == 200 and health.json()["replicas"]["running"] == 2
+
+
+def test_32_streams_equal_infeng_serve_on_both_replicas(cluster, references):
+    results = streams(cluster, [("stories260K", p, STREAM_TOKENS) for p in PROMPTS])
+    for prompt, (text, _) in zip(PROMPTS, results):
+        assert text == references[("stories260K", prompt, STREAM_TOKENS)]
+    replicas = {replica for _, replica in results}
+    assert len(replicas) == 2 and "" not in replicas, f"replicas that answered: {replicas}"
+
+
+def test_errors_are_the_same_as_infeng_serve(cluster):
+    missing = httpx.post(f"{cluster}/v1/completions", timeout=30,
+                         json={"model": "nope", "prompt": "x", "max_tokens": 2})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    bad = httpx.post(f"{cluster}/v1/completions", timeout=30, json={"model": "stories260K", "prompt": "x",
+                                                                   "max_tokens": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_three_adapters_over_two_replicas_with_one_slot_each(cluster, references):
+    wanted = [(name, p) for _ in range(2) for name in ADAPTER_NAMES for p in ADAPTER_PROMPTS]
+    results = streams(cluster, [(name, p, STREAM_TOKENS) for name, p in wanted])
+    for (name, prompt), (text, _) in zip(wanted, results):
+        assert text == references[(name, prompt, STREAM_TOKENS)], name
+    assert references[("a1", ADAPTER_PROMPTS[0], STREAM_TOKENS)] != references[("a2", ADAPTER_PROMPTS[0],
+                                                                                  STREAM_TOKENS)]
+
+
+def test_replica_metrics_through_ray(cluster):
+    """Each replica's samples (vLLM's names with ``_`` for ``:``) reach Ray's Prometheus export,
+    tagged with the replica."""
+    port = ray.nodes()[0]["MetricsExportPort"]
+    seen: set[str] = set()
+
+    def exported() -> bool:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        lines = [ln for ln in text.splitlines() if ln.startswith("ray_vllm_generation_tokens")]
+        seen.update(ln.split('replica="')[1].split('"')[0] for ln in lines if 'replica="' in ln)
+        return len(seen) >= 2
+    wait_for(exported, 90, lambda: f"replicas seen: {seen}")
+
+
+def test_replica_killed_mid_load(cluster, references):
+    """Kill an engine replica while 12 long streams run: each completes (its text the reference) or
+    ends with an error event then [DONE] (its text a prefix of the reference); none hangs; Ray
+    brings the deployment back to 2 running replicas."""
+    async def one(prompt: str, first: asyncio.Event) -> tuple[str, dict | None]:
+        text, error = "", None
+        async with httpx.AsyncClient(base_url=cluster, timeout=REQUEST_TIMEOUT_S) as http:
+            body = {"model": "stories260K", "prompt": prompt, "max_tokens": KILL_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    return text, json.loads(await r.aread())["error"]
+                events = []
+                async for line in r.aiter_lines():
+                    if not line:
+                        continue
+                    events.append(line)
+                    payload = line[len("data: "):]
+                    if payload == "[DONE]":
+                        break
+                    chunk = json.loads(payload)
+                    if "error" in chunk:
+                        error = chunk["error"]
+                        continue
+                    text += chunk["choices"][0]["text"]
+                    first.set()
+                assert events[-1] == "data: [DONE]", events[-3:]
+        return text, error
+
+    async def run():
+        firsts = [asyncio.Event() for _ in range(KILL_STREAMS)]
+        tasks = [asyncio.ensure_future(one(PROMPTS[i], firsts[i])) for i in range(KILL_STREAMS)]
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), REQUEST_TIMEOUT_S)
+        victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                      if ENGINE_DEPLOYMENT in a["name"] and a["name"].startswith("SERVE_REPLICA"))
+        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+        return await asyncio.wait_for(asyncio.gather(*tasks), REQUEST_TIMEOUT_S)
+
+    results = asyncio.run(run())
+    errors = 0
+    for i, (text, error) in enumerate(results):
+        want = references[("stories260K", PROMPTS[i], KILL_TOKENS)]
+        if error is None:
+            assert text == want
+        else:
+            errors += 1
+            assert error["code"] == "replica_died" and want.startswith(text)
+    assert errors < KILL_STREAMS, "the surviving replica's streams should complete"
+
+    def two_running() -> bool:
+        deployment = serve.status().applications[APP].deployments[ENGINE_DEPLOYMENT]
+        return {str(getattr(k, "value", k)): v for k, v in deployment.replica_states.items()}.get("RUNNING") == 2
+    wait_for(two_running, 120, lambda: str(serve.status().applications[APP].deployments[ENGINE_DEPLOYMENT]))
+    wait_for(lambda: _health(cluster) == 200, 30, lambda: "health")
+    assert httpx.get(f"{cluster}/health", timeout=30).json()["replicas"]["running"] == 2
+    after = streams(cluster, [("stories260K", p, STREAM_TOKENS) for p in PROMPTS[:8]])
+    assert [t for t, _ in after] == [references[("stories260K", p, STREAM_TOKENS)] for p in PROMPTS[:8]]
+
+
+def _health(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def wait_for(condition, timeout_s: float, describe) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached in {timeout_s} s: {describe()}")
+        time.sleep(0.5)

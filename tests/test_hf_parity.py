@@ -9,7 +9,9 @@ Reduced-precision checkpoints are compared against transformers run in float32 o
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,13 +74,19 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
     assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g} (1e-4 x max|logit|)"
 
 
-def check_parity(model_dir: Path, prompts: list[np.ndarray], vocab: int, seed: int = 1) -> None:
+def interpreter(model_dir: Path) -> Interpreter:
+    return Interpreter(import_hf(model_dir))
+
+
+def check_parity(model_dir: Path, prompts: list[np.ndarray], vocab: int, seed: int = 1,
+                 backend: Callable[[Path], Any] = interpreter) -> None:
+    """``backend(model_dir)`` (the interpreter, or a compiled Engine: the same ``step``) against transformers."""
     reference = load_reference(model_dir)
     rng = np.random.default_rng(seed)
     decode = [rng.integers(3, vocab, DECODE_STEPS) for _ in prompts]
     expected = [reference_logits(reference, p, d) for p, d in zip(prompts, decode)]
 
-    interp = Interpreter(import_hf(model_dir))
+    interp = backend(model_dir)
     logits = batched_prefill(interp, prompts)
     cuts = np.cumsum([len(p) for p in prompts])[:-1]
     for i, rows in enumerate(np.split(logits, cuts)):
@@ -89,11 +97,11 @@ def check_parity(model_dir: Path, prompts: list[np.ndarray], vocab: int, seed: i
             assert_close(logits[i:i + 1], expected[i][1 + t], f"decode step {t}, sequence {i}")
 
 
-def check_greedy(model_dir: Path, prompts: list[np.ndarray]) -> None:
+def check_greedy(model_dir: Path, prompts: list[np.ndarray], backend: Callable[[Path], Any] = interpreter) -> None:
     reference = load_reference(model_dir)
     expected = [reference_greedy(reference, p, GREEDY_TOKENS) for p in prompts]
 
-    interp = Interpreter(import_hf(model_dir))
+    interp = backend(model_dir)
     logits = batched_prefill(interp, prompts)
     last_rows = np.cumsum([len(p) for p in prompts]) - 1
     generated = [[int(t)] for t in logits[last_rows].argmax(-1)]

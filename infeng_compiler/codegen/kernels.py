@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib.resources import files
-from typing import Any, Callable
+from typing import Any
 
 import jinja2
 import numpy as np
@@ -161,8 +162,9 @@ _GEMM_MIN_T = 64
 #: of weights take at most this much (three quarters of L1), else into L2 (measured: T=8 at K=576
 #: or T=4 at K=1536 ran 1.5-2x faster prefetching into L2, T<=4 at K=576 1.2-1.6x slower).
 _DOT_PF_L1_BYTES = 3 * _L1_BYTES // 4
-#: Accumulators per output along K at T=1: enough independent FMA chains to cover the FMA latency.
-_GEMV_UNROLL = 4
+#: Weight rows streamed together at T=1, one accumulator each, summed as the dot tiles sum (so a
+#: row's result does not depend on T below the GEMM): two FMA chains, two streams in address order.
+_GEMV_ROWS = 2
 #: Largest k depth of a packed block: an MR x KC tile of x stays in L1 (8 x 512 x 4 B = 16 KiB).
 _GEMM_MAX_KC = 512
 #: Work items per matrix the packed path aims for, so that threads get balanced ranges.
@@ -184,7 +186,7 @@ def _plan_linear(p: dict[str, Any], isa: str) -> dict[str, Any]:
     nc_in_l2 = max(nr, _L2_BYTES // 4 // (kc * 4) // nr * nr)
     nc = min(nc_in_l2, _round_up(-(-N // _GEMM_MIN_ITEMS), nr))
     return {
-        "gemv_unroll": _GEMV_UNROLL, "dot_rows": tiles.dot_rows, "dot_tokens": tiles.dot_tokens,
+        "gemv_rows": _GEMV_ROWS, "dot_rows": tiles.dot_rows, "dot_tokens": tiles.dot_tokens,
         "gemv_block": _round_up(rows_in_l1, tiles.dot_rows), "pf_l1_bytes": _DOT_PF_L1_BYTES,
         "k_tail": K % k_chunk,
         "gemm_min_t": _GEMM_MIN_T, "mr": tiles.mr, "nr": nr, "kc": kc, "nc": nc,

@@ -88,6 +88,11 @@ class Engine:
             raise InfengError(f"{self.path}: cannot create the model: {self.ffi.string(err).decode()}")
         self._handle = self.ffi.gc(handle, self.lib.ife_destroy)
         self.threads = int(self.lib.ife_threads(self._handle))
+        # a freed slot's per-slot library state (the f16 window ring) is forgotten; libraries built
+        # before ife_slot_free existed restart the ring at any step that does not continue it
+        self._slot_free = getattr(self.lib, "ife_slot_free", None)
+        if self._slot_free is not None:
+            self.kv.on_slot_free = self._slot_freed
         constants = self.manifest["constants"]
         try:                    # values of the wrong JSON type in the manifest: one line, not a traceback
             self.adapters = AdapterManager(constants.get("lora_sites", []), int(constants.get("lora_slots", 0)),
@@ -251,6 +256,10 @@ class Engine:
     def free(self, seq: int) -> None:
         self.kv.free(int(seq))
         self.adapters.release(int(seq))
+
+    def _slot_freed(self, slot: int) -> None:
+        if self._handle is not None:
+            self._slot_free(self._handle, slot)
 
     def close(self) -> None:
         if getattr(self, "_handle", None) is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -71,6 +71,9 @@ class BlockAllocator:
         self.slot_of: dict[int, int] = {}
         self.blocks_of: dict[int, list[int]] = {}
         self.published_of: dict[int, int] = {}                        # seq -> blocks registered so far
+        # called with a slot when its sequence frees it (the engine tells the library: the slot's
+        # next sequence is another one, whatever positions it starts at)
+        self.on_slot_free: Callable[[int], None] | None = None
         # prefix-cache counters, in blocks: looked up at admission, found, evicted
         self.queries = 0
         self.hits = 0
@@ -138,7 +141,10 @@ class BlockAllocator:
         """Release ``seq``'s slot and its references; published blocks stay cached (LRU)."""
         if seq not in self.slot_of:
             return
-        self.free_slots.append(self.slot_of.pop(seq))
+        slot = self.slot_of.pop(seq)
+        self.free_slots.append(slot)
+        if self.on_slot_free is not None:
+            self.on_slot_free(slot)
         self.published_of.pop(seq, None)
         # last block first, so that the tail of a chain is evicted before its head
         for block in reversed(self.blocks_of.pop(seq)):

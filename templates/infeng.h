@@ -41,6 +41,11 @@ int ife_forward(ife_model *m, int n_tokens, const int32_t *tokens, const int32_t
                 const int32_t *seq_slots, const int32_t *block_table, int max_blocks,
                 int n_logits, const int32_t *logits_rows, float *logits, const int32_t *adapter_slots);
 
+/* The runtime freed sequence slot `slot` (the next sequence in it is another one): forget the
+ * per-slot state the library keeps (the f16 window ring's). A library without it (compiled before)
+ * treats every step that does not continue a slot's last position as a new sequence. */
+void ife_slot_free(ife_model *m, int slot);
+
 /* LoRA slots (a library compiled with lora-slots; else ife_lora_sites() is 0). adapter_slots of
  * ife_forward: [n_tokens], the slot of each token, -1 for the base model; NULL for all -1.
  * ife_lora_set copies one site's matrices into a slot: a [rank, in], b [out, rank] (PEFT's

@@ -17,6 +17,12 @@ random places). Everything is on loopback. One JSON line per result:
 With the peer (llama.cpp's ``llama-server -np N``, same GGUF weights class, same thread count, same
 clients), ``ratio`` is infeng / llama-server in the same run.
 
+With ``--ray``, the same clients also stream through ``infeng serve-ray`` (``--ray-replicas`` replicas x
+``--ray-threads`` threads on a local Ray cluster, default 2 x 1) in the same alternating rounds:
+``ray_tok_s`` and ``ray_ratio`` (Ray Serve / one ``infeng serve`` with ``--threads``), e.g.
+
+    python bench/serve.py --artifact stories.infeng --streams 16 --threads 2 --ray --no-peer
+
 With ``--baseline-tree DIR`` (a checkout of an older commit, e.g. ``git worktree add /tmp/old
 COMMIT``), the same artifact is also served by that tree's runtime, in the same alternating rounds:
 ``median_step_overhead_us``, ``baseline_median_step_overhead_us`` and ``overhead_ratio`` (this tree
@@ -93,6 +99,17 @@ def start_baseline(artifact: Path, args, log: Path) -> tuple[subprocess.Popen, s
     links = link_packages(Path(args.baseline_tree).resolve(), Path(args.workdir))
     # run from the links folder: ``python -m`` puts the working directory first on sys.path
     return start_infeng(artifact.resolve(), args, log, env={**os.environ, "PYTHONPATH": str(links)}, cwd=links)
+
+
+def start_ray(artifact: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
+    """``infeng serve-ray``: its own local Ray cluster, ``--ray-replicas`` x ``--ray-threads``."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "infeng_compiler.cli", "serve-ray", str(artifact), "--port", str(port),
+           "--replicas", str(args.ray_replicas), "--threads-per-replica", str(args.ray_threads),
+           "--max-seqs", str(max(args.streams)), "--max-context", str(args.prompt_len + args.max_tokens + 16)]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "RAY_ADDRESS": ""})
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def start_llama_server(gguf: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
@@ -263,6 +280,10 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true", help="skip llama-server")
     ap.add_argument("--baseline-tree", help="also serve the artifact from this older checkout (Python overhead "
                                             "per step, side by side)")
+    ap.add_argument("--ray", action="store_true", help="also serve the artifact with infeng serve-ray (Ray Serve "
+                                                        "replicas, same clients, same rounds)")
+    ap.add_argument("--ray-replicas", type=int, default=2)
+    ap.add_argument("--ray-threads", type=int, default=1, help="threads (Ray CPUs) per replica")
     ap.add_argument("--scheduler-only", action="store_true",
                     help="only the scheduler's Python time per step, over a stub engine (no server, no kernels)")
     args = ap.parse_args()
@@ -283,7 +304,8 @@ def main() -> None:
         scheduler_overhead(artifact, args)
         return
     servers = [("infeng", start_infeng, artifact)] + ([("llama-server", start_llama_server, gguf)] if gguf else []) \
-        + ([("baseline", start_baseline, artifact)] if args.baseline_tree else [])
+        + ([("baseline", start_baseline, artifact)] if args.baseline_tree else []) \
+        + ([("ray", start_ray, artifact)] if args.ray else [])
     procs, urls = [], {}
     try:
         for kind, start, path in servers:
@@ -309,6 +331,11 @@ def main() -> None:
                 peer = median_run(runs["llama-server"])
                 row.update(peer_tok_s=round(peer["tok_s"], 2), ratio=round(ours["tok_s"] / peer["tok_s"], 3),
                            peer_ttft_ms_p50=round(peer["ttft_ms_p50"], 1), peer_itl_ms_p50=round(peer["itl_ms_p50"], 2))
+            if "ray" in runs:
+                ray = median_run(runs["ray"])
+                row.update(ray_replicas=args.ray_replicas, ray_threads=args.ray_threads,
+                           ray_tok_s=round(ray["tok_s"], 2), ray_ratio=round(ray["tok_s"] / ours["tok_s"], 3),
+                           ray_ttft_ms_p50=round(ray["ttft_ms_p50"], 1), ray_itl_ms_p50=round(ray["itl_ms_p50"], 2))
             if "baseline" in runs:
                 base = median_run(runs["baseline"])
                 ours_us = float(np.median([r["step_overhead_us"] for r in runs["infeng"]]))
@@ -323,7 +350,7 @@ def main() -> None:
         for proc in procs:
             proc.terminate()
             try:
-                proc.wait(15)
+                proc.wait(60)                              # serve-ray stops its Ray cluster first
             except subprocess.TimeoutExpired:
                 proc.kill()
 

@@ -553,12 +553,19 @@ def deploy(config: RayServeConfig, address: str | None = None, blocking: bool = 
 
     app = build_app(config)
     stop = threading.Event()
-    if blocking:                           # before anything starts: a signal during start-up still stops cleanly
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+
+    def on_signal() -> None:
+        # installed before Ray starts (a signal during start-up stops cleanly) and again after
+        # ray.init, whose failure handler would otherwise abort the process on SIGTERM
+        if blocking:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+
+    on_signal()
     started_here = not ray.is_initialized() and not address
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        on_signal()
     url = f"http://{config.options.host}:{config.options.port}"
     try:
         serve.start(http_options={"host": config.options.host, "port": config.options.port})

@@ -72,8 +72,8 @@ def test_cli_refuses_bad_input_in_one_line(artifact):
     assert out.stderr.strip().count("\n") == 0 and "--replicas 2" in out.stderr
 
 
-def test_cli_serves_and_stops_on_sigint(artifact, tmp_path):
-    """``infeng serve-ray ARTIFACT`` starts its own Ray cluster, answers, and exits 0 on SIGINT
+def test_cli_serves_and_stops_on_sigterm(artifact, tmp_path):
+    """``infeng serve-ray ARTIFACT`` starts its own Ray cluster, answers, and exits 0 on SIGTERM
     (run first: the module's cluster starts after it)."""
     port = free_port()
     log = tmp_path / "serve-ray.log"
@@ -87,7 +87,7 @@ def test_cli_serves_and_stops_on_sigint(artifact, tmp_path):
         got = httpx.post(f"{url}/v1/completions", timeout=60,
                          json={"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 8})
         assert got.status_code == 200 and got.json()["usage"]["completion_tokens"] == 8
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
@@ -219,9 +219,19 @@ def test_replica_killed_mid_load(cluster, references):
         victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
                       if ENGINE_DEPLOYMENT in a["name"] and a["name"].startswith("SERVE_REPLICA"))
         ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
-        return await asyncio.wait_for(asyncio.gather(*tasks), REQUEST_TIMEOUT_S)
+        async with httpx.AsyncClient(base_url=cluster, timeout=REQUEST_TIMEOUT_S) as http:
+            late = [http.post("/v1/completions", json={"model": "stories260K", "prompt": p, "temperature": 0,
+                                                       "max_tokens": STREAM_TOKENS, "ignore_eos": True})
+                    for p in PROMPTS[:4]]       # sent as the replica dies: retried, or a clean 503
+            return await asyncio.wait_for(asyncio.gather(asyncio.gather(*tasks), asyncio.gather(*late)),
+                                          REQUEST_TIMEOUT_S)
 
-    results = asyncio.run(run())
+    results, late = asyncio.run(run())
+    for prompt, response in zip(PROMPTS[:4], late):
+        if response.status_code == 200:
+            assert response.json()["choices"][0]["text"] == references[("stories260K", prompt, STREAM_TOKENS)]
+        else:
+            assert response.status_code == 503 and response.json()["error"]["code"] == "replica_died"
     errors = 0
     for i, (text, error) in enumerate(results):
         want = references[("stories260K", PROMPTS[i], KILL_TOKENS)]

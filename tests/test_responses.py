@@ -10,7 +10,7 @@ import json
 
 import httpx
 import pytest
-from _serving import running_server
+from _serving import nonfinite_artifact, running_server, sse_lines
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -170,3 +170,20 @@ def test_input_items_become_chat_messages():
         "schema"] == SCHEMA
     with pytest.raises(APIError):
         chat_messages(None, [{"type": "reasoning", "summary": []}])
+
+
+def test_a_failed_sequence_is_an_error_not_a_response(tmp_path_factory):
+    """stories260K with NaN logits: 500 with OpenAI's error body; streamed, ``error`` then
+    ``response.failed`` (no ``response.completed``)."""
+    artifact = nonfinite_artifact(tmp_path_factory.mktemp("responses-nan"))
+    with running_server(artifact, "--served-model-name", "nan", log=tmp_path_factory.mktemp("log") / "s.log") as url:
+        r = httpx.post(f"{url}/v1/responses", json={"model": "nan", "input": "hi", "max_output_tokens": 3},
+                       timeout=30)
+        assert r.status_code == 500 and "non-finite" in r.json()["error"]["message"]
+        with httpx.stream("POST", f"{url}/v1/responses", json={"model": "nan", "input": "hi", "stream": True},
+                          timeout=30) as r:
+            events = [json.loads(line[6:]) for line in sse_lines(r) if line.startswith("data: ")]
+        assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error",
+                                               "response.failed"]
+        assert "non-finite" in events[2]["message"] and events[3]["response"]["status"] == "failed"
+        assert [e["sequence_number"] for e in events] == list(range(4))

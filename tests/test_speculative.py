@@ -376,6 +376,19 @@ def test_server_serves_speculative_and_plain_requests_in_one_batch(artifact, ada
         bad = httpx.post(f"{url}/v1/completions", json={"model": base, "prompt": "x",
                                                          "speculative": "yes please"})
         assert bad.status_code == 400
+        # a json_schema chat request speculates too: the plain request's text, valid
+        schema = GRAMMARS[0][1]
+        texts = []
+        for speculative in (False, True):
+            r = httpx.post(f"{url}/v1/chat/completions", json={
+                "model": base, "messages": [{"role": "user", "content": "Lily and Tom went to the park."}],
+                "max_tokens": 160, "temperature": 0, "speculative": speculative,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "m", "schema": schema}}},
+                timeout=120)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["message"]["content"])
+        assert texts[0] == texts[1]
+        check_valid([texts[1]], [("json", schema)])
 
 
 # -- grammar-constrained requests speculate too ------------------------------------------------------
@@ -426,11 +439,12 @@ def run_constrained(path, spec, params: SamplingParams, drafts: list | None = No
     return [llm.tokenizer.decode(tokens.get(f"r{i}", [])) for i in range(len(cases))]
 
 
-def check_valid(texts: list[str]) -> None:
+def check_valid(texts: list[str], grammars: list | None = None) -> None:
+    """Each text against its grammar (default: those of ``run_constrained``'s cases)."""
     import re
 
     jsonschema = pytest.importorskip("jsonschema")
-    for text, (_, (kind, value)) in zip(texts, [(p, g) for p in PROMPTS for g in GRAMMARS]):
+    for text, (kind, value) in zip(texts, grammars or [g for _ in PROMPTS for g in GRAMMARS]):
         if kind == "json":
             jsonschema.validate(json.loads(text), value)
         elif kind == "grammar":

@@ -530,8 +530,8 @@ def build_app(config: RayServeConfig):
     else:
         engine_options["num_replicas"] = config.replicas
     engine = serve.deployment(InfengEngine).options(**engine_options).bind(
-        str(config.artifact), replace(options, adapters={}), {k: str(v) for k, v in options.adapters.items()},
-        per_replica)
+        str(config.artifact), replace(options, adapters={}, threads=config.threads_per_replica),
+        {k: str(v) for k, v in options.adapters.items()}, per_replica)
     router = serve.deployment(serve.ingress()(InfengRouter)).options(
         name=ROUTER_DEPLOYMENT, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
     return router.bind(engine, config.model_name(), list(options.adapters), replace(options, adapters={}))
@@ -605,9 +605,9 @@ class RayAppArgs(BaseModel):
     host: str = "0.0.0.0"
 
 
-def app_builder(args: RayAppArgs):
+def app_builder(args: RayAppArgs | dict[str, Any]):
     """The application for ``serve run`` / Serve config files (the same one ``infeng serve-ray`` runs)."""
-    if isinstance(args, dict):
+    if not isinstance(args, RayAppArgs):
         args = RayAppArgs.model_validate(args)
     options = ServeOptions(host=args.host, max_seqs=args.max_seqs, max_context=args.max_context,
                            max_waiting=args.max_queue, served_model_name=args.served_model_name,

@@ -265,3 +265,40 @@ def wait_for(condition, timeout_s: float, describe) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not reached in {timeout_s} s: {describe()}")
         time.sleep(0.5)
+
+
+def engine_deployment(app):
+    """The engine deployment an application binds (Ray has no public accessor for a bound
+    deployment's arguments or its autoscaling config)."""
+    return app._bound_deployment.init_args[0]._bound_deployment
+
+
+def test_app_builder_fixed_and_autoscaling(artifact, adapter_dirs):
+    """The ``serve run`` entry point: fixed replicas, or autoscaling on requests in flight."""
+    from infeng_runtime.ray_serve import app_builder
+
+    adapters_arg = {name: str(path) for name, path in adapter_dirs.items()}
+    fixed = engine_deployment(app_builder({"artifact": str(artifact), "replicas": 3, "threads_per_replica": 2,
+                                           "adapters": adapters_arg, "max_seqs": 8}))
+    assert fixed.num_replicas == 3 and fixed.max_ongoing_requests == 8
+    assert fixed.ray_actor_options["num_cpus"] == 2
+    assert fixed.init_args[1].threads == 2 and fixed.init_args[3] == 4           # the artifact's 4 slots
+    scaled = engine_deployment(app_builder({"artifact": str(artifact), "replicas": 2, "min_replicas": 1,
+                                            "max_replicas": 4, "target_ongoing_requests": 6}))
+    autoscaling = scaled._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.initial_replicas,
+            autoscaling.target_ongoing_requests) == (1, 4, 2, 6)
+    with pytest.raises(ValueError, match="bogus"):
+        app_builder({"artifact": str(artifact), "replicas": 1, "bogus": 1})
+
+
+def test_config_refuses_adapters_without_slots(tmp_path, adapter_dirs):
+    from _serving import nonfinite_artifact
+
+    from infeng_common.errors import InfengError
+
+    no_slots = nonfinite_artifact(tmp_path)
+    with pytest.raises(InfengError, match="no LoRA slots"):
+        RayServeConfig(no_slots, ServeOptions(adapters=dict(adapter_dirs))).check()
+    with pytest.raises(InfengError, match="--min-replicas"):
+        RayServeConfig(no_slots, replicas=5, min_replicas=1, max_replicas=2).check()

@@ -155,23 +155,28 @@ def test_missing_isa_is_a_clear_error(compiled, monkeypatch):
     assert "lacks avx2" in result.output and "Traceback" not in result.output
 
 
-def test_amx_artifact_loads_only_where_the_cpu_has_amx(tmp_path, stories_dir):
-    """AMX is built on every host. Where the CPU lacks it, loading names the missing features;
-    where it has it (some of this project's machines are Xeons with AMX), the artifact runs and
-    gives the avx512-bf16 build's tokens (the amx target adds no AMX kernel yet)."""
+def test_amx_artifact_loads_only_where_the_cpu_has_amx(tmp_path, stories_dir, monkeypatch):
+    """AMX is built on every host. Where AMX is not usable (CPUID, XCR0 or the kernel's permission:
+    the library's check asks all three when it loads), loading names what is missing; where it is
+    (some of this project's machines are Xeons with AMX), the artifact runs and gives the
+    avx512-bf16 build's tokens (the amx target adds no AMX kernel yet). Taking amx_bf16 away with
+    INFENG_CPU_FEATURES refuses the load on either kind of host."""
     artifact = tmp_path / "amx.infeng"
     compile_model(stories_dir, artifact, CompileOptions(target="amx"))
     assert (artifact / "libmodel.so").is_file()
     if TARGETS["amx"].missing_features():
         with pytest.raises(CPUFeatureError, match="amx_tile"):
             Engine(artifact)
-        return
-    bf16 = tmp_path / "bf16.infeng"
-    compile_model(stories_dir, bf16, CompileOptions(target="avx512-bf16"))
-    ids = Engine(bf16).tokenizer.encode("Once upon a time")
-    want = Engine(bf16, threads=1).step(ids, np.arange(len(ids)), np.zeros(len(ids))).argmax(axis=1)
-    got = Engine(artifact, threads=1).step(ids, np.arange(len(ids)), np.zeros(len(ids))).argmax(axis=1)
-    np.testing.assert_array_equal(got, want)
+    else:
+        bf16 = tmp_path / "bf16.infeng"
+        compile_model(stories_dir, bf16, CompileOptions(target="avx512-bf16"))
+        ids = Engine(bf16).tokenizer.encode("Once upon a time")
+        want = Engine(bf16, threads=1).step(ids, np.arange(len(ids)), np.zeros(len(ids))).argmax(axis=1)
+        got = Engine(artifact, threads=1).step(ids, np.arange(len(ids)), np.zeros(len(ids))).argmax(axis=1)
+        np.testing.assert_array_equal(got, want)
+    monkeypatch.setenv("INFENG_CPU_FEATURES", ",".join(sorted(host_features() - {"amx_bf16"})))
+    with pytest.raises(CPUFeatureError, match="amx_bf16"):
+        Engine(artifact)
 
 
 def test_artifact_layout(compiled):

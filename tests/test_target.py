@@ -1,5 +1,6 @@
-"""target.py and the C CPU check: host detection, the INFENG_CPU_FEATURES override, unknown and
-compile-only targets."""
+"""target.py and the C CPU check: host detection, the INFENG_CPU_FEATURES override (it only takes
+features away), the AMX check (CPUID, XCR0, the kernel's permission: every branch on any host), unknown
+and compile-only targets."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,9 @@ import pytest
 from infeng_common.errors import UnsupportedError
 from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources
-from infeng_compiler.codegen.target import FEATURES_ENV, TARGETS, get_target, host_features, native_target
+from infeng_compiler.codegen.target import AMX_FEATURES, FEATURES_ENV, TARGETS, get_target, host_features, native_target
+
+HOST = host_features()
 
 AVX2 = "avx2,fma,f16c"
 AVX512 = AVX2 + ",avx512f,avx512bw,avx512dq,avx512vl"
@@ -25,6 +28,8 @@ AVX512 = AVX2 + ",avx512f,avx512bw,avx512dq,avx512vl"
     (AVX512 + ",avx512_vnni,avx512_bf16,amx_tile,amx_int8,amx_bf16", "avx512-bf16"),   # amx never native
 ])
 def test_native_selection(monkeypatch: pytest.MonkeyPatch, features: str, expected: str):
+    if not set(TARGETS[expected].features) <= HOST:
+        pytest.skip(f"this host lacks {expected}'s features (the override only removes features)")
     monkeypatch.setenv(FEATURES_ENV, features)
     assert native_target().name == expected
     assert get_target("native").name == expected
@@ -47,10 +52,75 @@ def test_amx_is_refused_for_running():
         get_target("amx", for_running=True)
 
 
+def test_override_only_removes_features(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(FEATURES_ENV, "avx2,fma,made_up_feature,amx_tile,amx_int8,amx_bf16")
+    have = host_features()
+    assert "made_up_feature" not in have and "f16c" not in have
+    assert have <= {"avx2", "fma", "amx_tile", "amx_int8", "amx_bf16"} and have <= HOST
+    assert bool(have & AMX_FEATURES) == bool(HOST & AMX_FEATURES)
+
+
+def test_amx_features_need_the_kernels_permission(monkeypatch: pytest.MonkeyPatch):
+    from infeng_compiler.codegen import target
+
+    monkeypatch.setattr(target, "_cpuinfo_flags", lambda: frozenset({"avx2", "amx_tile", "amx_int8", "amx_bf16"}))
+    monkeypatch.delenv(FEATURES_ENV, raising=False)
+    monkeypatch.setattr(target, "amx_permission_granted", lambda: False)
+    assert host_features() == {"avx2"}
+    monkeypatch.setattr(target, "amx_permission_granted", lambda: True)
+    assert host_features() == {"avx2"} | AMX_FEATURES
+
+
 def test_missing_features_refused_for_running(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv(FEATURES_ENV, AVX2)
     with pytest.raises(UnsupportedError, match="avx512f, avx512bw, avx512dq, avx512vl"):
         get_target("avx512", for_running=True)
+
+
+AMX_UNITS = (1 << 22) | (1 << 24) | (1 << 25)      # CPUID.(7,0):EDX amx_bf16, amx_tile, amx_int8
+TILE_STATE = (1 << 17) | (1 << 18)                 # XCR0 XTILECFG, XTILEDATA
+
+
+@pytest.fixture(scope="module")
+def amx_library():
+    target = TARGETS["amx"]
+    specs = [KernelSpec.make("rms_norm", "amx", H=64, eps=1e-5)]
+    sources, baseline = library_sources(specs, target)
+    ffi = cffi.FFI()
+    ffi.cdef(cdef(specs) + "const char *ife_amx_missing(uint32_t cpuid7_edx, uint64_t xcr0, long permission_rc);"
+                           "const char *ife_amx_unusable(void);")
+    return ffi, ffi.dlopen(str(build_library(sources, target, baseline_sources=baseline).path))
+
+
+def test_amx_check_names_the_missing_piece(amx_library):
+    """Each of CPUID, XCR0 and the kernel's permission, missing alone, is named (on any host)."""
+    ffi, lib = amx_library
+
+    def missing(edx: int, xcr0: int, rc: int) -> str:
+        return ffi.string(lib.ife_amx_missing(edx, xcr0, rc)).decode()
+
+    assert missing(AMX_UNITS, TILE_STATE | 0xE7, 0) == ""
+    assert "CPUID" in missing(AMX_UNITS & ~(1 << 25), TILE_STATE, 0)
+    assert "amx_tile" in missing(0, TILE_STATE, 0)
+    assert "XCR0" in missing(AMX_UNITS, 1 << 17, 0)
+    assert "XCR0" in missing(AMX_UNITS, 0, 0)
+    assert "permission" in missing(AMX_UNITS, TILE_STATE, -1)
+
+
+def test_amx_check_tells_the_truth_about_this_host(monkeypatch: pytest.MonkeyPatch, amx_library):
+    """The C probe agrees with target.py (which reads /proc/cpuinfo and asks for the permission),
+    and the amx library's check refuses a host without AMX, or one whose AMX the override removes."""
+    ffi, lib = amx_library
+    monkeypatch.delenv(FEATURES_ENV, raising=False)
+    usable = AMX_FEATURES <= HOST
+    assert (ffi.string(lib.ife_amx_unusable()).decode() == "") == usable
+    buf = ffi.new("char[256]")
+    n = lib.ife_cpu_check(buf, 256)
+    assert (n == 0) == (usable and not TARGETS["amx"].missing_features(HOST))
+    if not usable:
+        assert "amx" in ffi.string(buf).decode().lower()
+    monkeypatch.setenv(FEATURES_ENV, ",".join(sorted(HOST - {"amx_bf16"})))
+    assert lib.ife_cpu_check(buf, 256) > 0 and "amx_bf16" in ffi.string(buf).decode()
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +136,8 @@ def avx512_library():
 def test_cpu_check_reports_missing_features(monkeypatch: pytest.MonkeyPatch, avx512_library):
     """A simulated AVX2-only CPU: the avx512 library's check names what is missing, without SIGILL."""
     ffi, lib = avx512_library
+    if not set(TARGETS["avx512"].features) <= HOST:
+        pytest.skip("this host has no AVX-512")
     missing = ffi.new("char[256]")
     monkeypatch.setenv(FEATURES_ENV, AVX2)
     assert lib.ife_cpu_check(missing, 256) == 4

@@ -1,12 +1,16 @@
 """ISA targets: the cc flags a library is built with and the CPU features it needs to run.
 
 Feature names use the /proc/cpuinfo spelling (``avx512_vnni``, ``amx_tile``). The environment
-variable ``INFENG_CPU_FEATURES`` (comma-separated feature names) replaces the host's list, here and
-in the C check ``ife_cpu_check`` of every built library, so tests can simulate a weaker CPU.
+variable ``INFENG_CPU_FEATURES`` (comma-separated feature names) can only take features away from
+the host's list, here and in the C check ``ife_cpu_check`` of every built library, so tests can
+simulate a weaker CPU, never a stronger one. The AMX features count only where the kernel also
+grants the tile data permission (the C check asks CPUID and XCR0 as well, docs/codegen.md).
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 from dataclasses import dataclass
 
 from infeng_common.errors import UnsupportedError
@@ -71,11 +75,26 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
 _PREFERENCE = ("avx512-bf16", "avx512-vnni", "avx512", "avx2-vnni", "avx2", "scalar")
 
 
-def host_features() -> frozenset[str]:
-    """CPU feature flags of this machine: ``INFENG_CPU_FEATURES`` if set, else /proc/cpuinfo."""
-    override = os.environ.get(FEATURES_ENV)
-    if override is not None:
-        return frozenset(f.strip() for f in override.split(",") if f.strip())
+#: AMX features (/proc/cpuinfo names): usable only with the kernel's tile data permission.
+AMX_FEATURES = frozenset({"amx_tile", "amx_int8", "amx_bf16"})
+_SYS_ARCH_PRCTL = 158            # x86-64 syscall number
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def amx_permission_granted() -> bool:
+    """Ask the kernel for the AMX tile data permission (Linux >= 5.16), as every AMX library does
+    when it loads; False where it is refused or there is no such call."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _cpuinfo_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -85,6 +104,19 @@ def host_features() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def host_features() -> frozenset[str]:
+    """CPU features this machine can use: /proc/cpuinfo's flags (the kernel lists AMX only where it
+    has enabled the tile state in XCR0), AMX only with the kernel's permission, and only those
+    named in ``INFENG_CPU_FEATURES`` when it is set."""
+    have = _cpuinfo_flags()
+    if have & AMX_FEATURES and not amx_permission_granted():
+        have -= AMX_FEATURES
+    override = os.environ.get(FEATURES_ENV)
+    if override is not None:
+        have &= frozenset(f.strip() for f in override.split(",") if f.strip())
+    return have
 
 
 def native_target() -> Target:

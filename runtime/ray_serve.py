@@ -43,6 +43,7 @@ from ray.serve.handle import DeploymentHandle
 from infeng_common.errors import InfengError
 from infeng_common.manifest import read_manifest
 
+from .adapters import AdapterError
 from .api_errors import APIError
 from .http_guard import AccessGuard, AccessPolicy, is_loopback_address
 from .json_body import parse_json
@@ -55,6 +56,8 @@ _log = logging.getLogger("infeng.ray")
 
 ENGINE_DEPLOYMENT = "InfengEngine"
 ROUTER_DEPLOYMENT = "InfengRouter"
+#: Longest a replica waits for an adapter slot that running sequences hold.
+ADAPTER_SLOT_WAIT_S = 300.0
 #: Tries of a request whose replica died before any of its response was sent (the first included).
 FORWARD_ATTEMPTS = 3
 #: How often a replica copies its metrics into Ray's, and how long /health trusts the controller's word.
@@ -182,7 +185,6 @@ class InfengEngine:
             return await self._load(name)
 
         self.adapter = serve.multiplexed(max_num_models_per_replica=max(1, adapters_per_replica))(adapter)
-        self._leases: dict[str, _AdapterLease] = {}
         self._metrics = _RayMetrics(self.server)
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics.run())
         _log.info("replica ready", extra={"fields": {"threads": threads, "model": self.server.model_name}})
@@ -191,17 +193,18 @@ class InfengEngine:
         """Ray's multiplexed loader: serve adapter ``name`` on this replica (slots permitting)."""
         path = self.adapter_dirs[name]
         loop = self.server.loop
-        deadline = time.monotonic() + 300.0
-        while True:                 # the slot of an evicted adapter frees when its last request ends
+        deadline = time.monotonic() + ADAPTER_SLOT_WAIT_S
+        while True:
             try:
                 await asyncio.wrap_future(loop.load_adapter(name, path))
                 break
-            except InfengError as e:
-                if "retry" not in str(e) and "slots are in use" not in str(e) or time.monotonic() > deadline:
+            except AdapterError as e:
+                # every slot is held by running sequences (possible when --adapters-per-replica
+                # exceeds the slots): one frees when a sequence ends
+                if "slots are in use" not in str(e) or time.monotonic() > deadline:
                     raise
             await asyncio.sleep(0.05)
-        lease = self._leases[name] = _AdapterLease(self.server, name)
-        return lease
+        return _AdapterLease(self.server, name)
 
     def _request_exit(self, code: int) -> None:
         """The server asks to stop (its engine loop died): ``check_health`` fails, Ray replaces us."""
@@ -218,7 +221,13 @@ class InfengEngine:
         lease = None
         model_id = serve.get_multiplexed_model_id()
         if model_id:
-            lease = await self.adapter(model_id)
+            try:
+                lease = await self.adapter(model_id)
+            except InfengError as e:                 # a declared adapter this replica cannot load
+                _log.error("adapter load failed", extra={"fields": {"adapter": model_id, "error": str(e)}})
+                yield _error_messages(APIError(500, f"the adapter {model_id!r} cannot be loaded: {e}", "server_error",
+                                               "model", "adapter_load_failed"))
+                return
             lease.hold()
         messages: asyncio.Queue = asyncio.Queue()
         left = asyncio.Event()
@@ -257,9 +266,13 @@ class InfengEngine:
                 task.add_done_callback(lambda _: lease.release())
 
     def __del__(self) -> None:
+        """Ray's graceful shutdown (after the requests in flight drained): stop the engine loop."""
         task = getattr(self, "_metrics_task", None)
         if task is not None:
             task.cancel()
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.loop.stop()
 
 
 def _replica_threads(requested: int) -> int:
@@ -408,10 +421,17 @@ class InfengRouter:
                     if not started and attempt + 1 < FORWARD_ATTEMPTS:
                         _log.warning("replica died before answering; retrying", extra={"fields": {"error": str(e)}})
                         continue
-                    await _replica_lost(send, started, streaming)
+                    await _end(send, started, streaming, APIError(503, "the replica serving this request died; "
+                                                                       "retry it", "server_error", None,
+                                                                  "replica_died"))
                     return
                 except _ClientLeft:
                     responses.cancel()
+                    return
+                except Exception:  # noqa: BLE001 (a bug on a replica: the client still gets OpenAI's error shape)
+                    _log.exception("forwarding a request failed")
+                    await _end(send, started, streaming, APIError(500, "internal server error; it has been logged",
+                                                                  "server_error", None, "internal_error"))
                     return
         finally:
             watcher.cancel()
@@ -462,10 +482,9 @@ def _retrieve(task: asyncio.Future) -> None:
         task.exception()
 
 
-async def _replica_lost(send, started: bool, streaming: bool) -> None:
-    """The replica serving a request died: 503 if nothing was sent; an SSE error event and
+async def _end(send, started: bool, streaming: bool, error: APIError) -> None:
+    """End a response that cannot go on: ``error`` if nothing was sent; an SSE error event and
     ``[DONE]`` mid-stream; otherwise the response ends where it stopped."""
-    error = APIError(503, "the replica serving this request died; retry it", "server_error", None, "replica_died")
     if not started:
         await error.send(send)
         return
@@ -491,6 +510,14 @@ def _engine_status() -> tuple[int, dict[str, Any]]:
     if not running:
         payload["message"] = "no engine replica is running"
     return (200 if running else 503), payload
+
+
+def _error_messages(error: APIError) -> list[dict[str, Any]]:
+    """``error`` as the ASGI messages of its JSON response."""
+    body = json.dumps(error.body()).encode()
+    return [{"type": "http.response.start", "status": error.status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]},
+            {"type": "http.response.body", "body": body, "more_body": False}]
 
 
 async def _read_body(receive) -> bytes | None:

@@ -96,14 +96,17 @@ def test_cli_serves_and_stops_on_sigterm(artifact, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cluster(artifact, adapter_dirs, references):
-    """Ray with 2 CPUs for 2 engine replicas x 1 thread; the router, proxy and controller take none."""
+def cluster(artifact, adapter_dirs, references, tmp_path_factory):
+    """Ray with 2 CPUs for 2 engine replicas x 1 thread; the router, proxy and controller take none.
+    Besides the 3 adapters, a declared one whose directory holds no adapter ("broken")."""
+    broken = tmp_path_factory.mktemp("broken-adapter")
+    (broken / "adapter_config.json").write_text("{}")
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
              _metrics_export_port=free_port(), _system_config={"metrics_report_interval_ms": 1000})
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        options = ServeOptions(host="127.0.0.1", port=port, max_seqs=16, adapters=adapter_dirs)
+        options = ServeOptions(host="127.0.0.1", port=port, max_seqs=16, adapters={**adapter_dirs, "broken": broken})
         config = RayServeConfig(artifact, options, replicas=2, threads_per_replica=1, adapters_per_replica=1,
                                 app_name=APP)
         serve.run(build_app(config), name=APP, route_prefix="/")
@@ -138,7 +141,7 @@ def streams(url: str, requests: list[tuple[str, str, int]]) -> list[tuple[str, s
 
 def test_models_and_health(cluster):
     models = httpx.get(f"{cluster}/v1/models", timeout=30).json()["data"]
-    assert [m["id"] for m in models] == ["stories260K", *ADAPTER_NAMES]
+    assert [m["id"] for m in models] == ["stories260K", *ADAPTER_NAMES, "broken"]
     health = httpx.get(f"{cluster}/health", timeout=30)
     assert health.status_code == 200 and health.json()["replicas"]["running"] == 2
 
@@ -158,6 +161,11 @@ def test_errors_are_the_same_as_infeng_serve(cluster):
     bad = httpx.post(f"{cluster}/v1/completions", timeout=30, json={"model": "stories260K", "prompt": "x",
                                                                    "max_tokens": -1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    broken = httpx.post(f"{cluster}/v1/completions", timeout=30,
+                        json={"model": "broken", "prompt": "x", "max_tokens": 2})
+    assert broken.status_code == 500 and broken.json()["error"]["code"] == "adapter_load_failed"
+    loads = httpx.post(f"{cluster}/v1/adapters", timeout=30, json={"name": "x", "path": "/tmp"})
+    assert loads.status_code == 403 and loads.json()["error"]["code"] == "adapter_loads_disabled"
 
 
 def test_three_adapters_over_two_replicas_with_one_slot_each(cluster, references):

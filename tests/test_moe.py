@@ -161,8 +161,7 @@ def test_experts_reference_is_a_sum_of_dense_ffns() -> None:
         np.testing.assert_allclose(got[t], want, rtol=1e-5, atol=1e-5)
 
 
-#: Families the compiled path runs (gpt_oss needs an attention kernel with sinks: docs/moe.md).
-COMPILED_VARIANTS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+COMPILED_VARIANTS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]
 
 
 @pytest.fixture(scope="session")
@@ -211,10 +210,3 @@ def test_compiled_reduced_precision_experts(moe_checkpoint, moe_artifact, dtype:
     seq_ids = np.repeat(np.arange(len(prompts)), [len(p) for p in prompts])
     want, got = interp.step(tokens, positions, seq_ids), engine.step(tokens, positions, seq_ids)
     assert np.abs(got - want).max() <= bound * np.abs(want).max()
-
-
-def test_gpt_oss_compile_is_refused_with_one_line(moe_checkpoint, tmp_path: Path) -> None:
-    from infeng_common.errors import UnsupportedError
-
-    with pytest.raises(UnsupportedError, match="sinks"):
-        compile_model(moe_checkpoint("gpt_oss"), tmp_path / "oss.infeng", CompileOptions(target="native"))

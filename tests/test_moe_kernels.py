@@ -18,6 +18,7 @@ from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
 from infeng_compiler.codegen.moe_kernels import expert_linears
 from infeng_compiler.codegen.target import TARGETS, host_features
+from infeng_compiler.interp import KVStore, Step
 from infeng_compiler.ir.moe_ops import route
 from infeng_compiler.ir.ops import REGISTRY
 from infeng_compiler.ir.types import bf16_to_f32, f32_to_bf16
@@ -36,8 +37,23 @@ EXPERT_CASES = [
     (8, 96, 40, 1, "silu", "concat", True),
 ]
 WDTYPES = ["f32", "f16", "bf16"]
+#: (case, weight dtype) pairs: every dtype and every case, not every product (kernel builds are slow)
+EXPERT_GRID = [(EXPERT_CASES[0], "f32"), (EXPERT_CASES[0], "f16"), (EXPERT_CASES[0], "bf16"),
+               (EXPERT_CASES[1], "f32"), (EXPERT_CASES[1], "bf16"), (EXPERT_CASES[2], "f16")]
 ROUTER_CASES = [(4, 2, "softmax", True), (8, 3, "softmax", False), (5, 2, "topk_softmax", False), (32, 4, "softmax", True)]
 SWIGLU = {"alpha": 1.702, "limit": 7.0}
+SINK_CASES = [(4, 2, 16, 16, 0), (6, 2, 24, 8, 5), (2, 1, 64, 4, 3)]   # (heads, KV heads, head_dim, block, window)
+
+
+def sinks_of(n_heads: int) -> tuple[float, ...]:
+    """Sinks from well below to well above the scores, so both ends of the softmax are exercised."""
+    return tuple(float(v) for v in np.linspace(-4.0, 6.0, n_heads, dtype=np.float32))
+
+
+def sinks_spec(isa: str, case: tuple) -> KernelSpec:
+    h, kvh, hd, block, window = case
+    return KernelSpec.make("attention_sinks", isa, n_heads=h, n_kv_heads=kvh, head_dim=hd, block_size=block,
+                           scale=float(hd) ** -0.5, window=window, sinks=sinks_of(h))
 
 
 def experts_spec(isa: str, case: tuple, wdtype: str, bdtype: str) -> KernelSpec:
@@ -49,14 +65,14 @@ def experts_spec(isa: str, case: tuple, wdtype: str, bdtype: str) -> KernelSpec:
 
 def grid_specs(isa: str) -> list[KernelSpec]:
     specs = []
-    for case in EXPERT_CASES:
-        for wdtype in WDTYPES:
-            spec = experts_spec(isa, case, wdtype, wdtype if case[-1] else "none")
-            called = expert_linears(dict(spec.params))
-            specs += [spec, called["gate_up"], called["down"]]
+    for case, wdtype in EXPERT_GRID:
+        spec = experts_spec(isa, case, wdtype, wdtype if case[-1] else "none")
+        called = expert_linears(dict(spec.params))
+        specs += [spec, called["gate_up"], called["down"]]
     for E, k, scoring, renorm in ROUTER_CASES:
         specs.append(KernelSpec.make("router", isa, E=E, top_k=k, scoring=scoring, renormalize=renorm))
     specs.append(KernelSpec.make("head_rms_norm", isa, H=96, head_dim=24, eps=1e-6))
+    specs += [sinks_spec(isa, case) for case in SINK_CASES]
     for wdtype in WDTYPES:
         specs.append(KernelSpec.make("sigmoid_gate", isa, N=40, K=64, wdtype=wdtype))
     return list(dict.fromkeys(specs))
@@ -114,8 +130,8 @@ def random_routes(rng: np.random.Generator, T: int, E: int, k: int) -> tuple[np.
     return rng.random((T, k)).astype(np.float32), ids
 
 
-@pytest.mark.parametrize("wdtype", WDTYPES)
-@pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: f"e{c[0]}h{c[1]}i{c[2]}k{c[3]}{c[4]}")
+@pytest.mark.parametrize(("case", "wdtype"), EXPERT_GRID,
+                         ids=[f"e{c[0]}h{c[1]}i{c[2]}k{c[3]}{c[4]}-{w}" for c, w in EXPERT_GRID])
 def test_experts(klib: KernelLib, case: tuple, wdtype: str) -> None:
     E, H, I, k, activation, layout, biases = case
     bdtype = wdtype if biases else "none"
@@ -188,3 +204,33 @@ def test_sigmoid_gate(klib: KernelLib, wdtype: str) -> None:
     klib.fn(spec)(klib.ptr(y, "float *"), klib.ptr(x, "float *"), 6, klib.ptr(w), klib.ptr(out, "float *"))
     ref = REGISTRY["sigmoid_gate"].reference([y, x], [w32], {}, None)[0]
     assert rel_err(out, ref) <= F32_TOL
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}b{c[3]}w{c[4]}")
+def test_attention_sinks(klib: KernelLib, case: tuple) -> None:
+    """Prefill, decode and a mixed step over a paged cache, against the attention reference with sinks."""
+    h, kvh, hd, block, window = case
+    spec = sinks_spec(klib.isa, case)
+    attrs = {"layer": 0, "n_heads": h, "n_kv_heads": kvh, "head_dim": hd, "scale": float(hd) ** -0.5,
+             "window": window, "sinks": True}
+    sinks = np.array(sinks_of(h), dtype=np.float32)
+    rng = np.random.default_rng(hd * block)
+    max_blocks = 24 // block + 1
+    n_blocks = 2 * max_blocks + 1
+    block_table = rng.permutation(n_blocks)[: 2 * max_blocks].astype(np.int32).reshape(2, max_blocks)
+    k_cache = np.zeros((n_blocks, block, kvh, hd), np.float32)
+    v_cache = np.zeros_like(k_cache)
+    store = KVStore()
+    for step in ([(0, range(11))], [(0, range(11, 12)), (1, range(7))], [(1, range(7, 8)), (0, range(12, 13))]):
+        slots = np.array([s for s, ps in step for _ in ps], dtype=np.int32)
+        pos = np.array([p for _, ps in step for p in ps], dtype=np.int32)
+        T = len(pos)
+        q = rng.standard_normal((T, h * hd), dtype=np.float32) * 2.0
+        k, v = (rng.standard_normal((T, kvh * hd), dtype=np.float32) for _ in range(2))
+        ctx = Step(seq_ids=slots, logits_rows=np.arange(T), kv=store)
+        ref = REGISTRY["attention"].reference([q, k, v, pos], [sinks], attrs, ctx)[0]
+        out = np.full_like(q, np.nan)
+        klib.fn(spec)(klib.pool, klib.ptr(q, "float *"), klib.ptr(k, "float *"), klib.ptr(v, "float *"), T,
+                      klib.ptr(pos, "int32_t *"), klib.ptr(slots, "int32_t *"), klib.ptr(block_table, "int32_t *"),
+                      max_blocks, klib.ptr(k_cache, "float *"), klib.ptr(v_cache, "float *"), klib.ptr(out, "float *"))
+        assert rel_err(out, ref) <= F32_TOL, f"step {step}: error {rel_err(out, ref):.3g}"

@@ -365,11 +365,15 @@ class _Lowering:
         self.kv_layers.append(self.kv_layer(a, k_format, v_format, ring_rows))
         q, k, v = (self.buf(x) for x in n.inputs[:3])
         k_mean_weight, sinks = attention_weights(n.weights, a)
-        if sinks is not None:
-            raise UnsupportedError(f"codegen has no attention kernel with sinks yet (GPT-OSS; docs/moe.md): {comment}")
+        if sinks is not None and not (plain_f32(a) and k_mean_weight is None):
+            raise UnsupportedError(f"attention sinks (GPT-OSS) have kernels for an f32 KV cache only: {comment}")
         if plain_f32(a) and k_mean_weight is None:
-            spec = self.spec("attention", n_heads=a["n_heads"], n_kv_heads=a["n_kv_heads"], head_dim=a["head_dim"],
-                             block_size=self.block_size, scale=float(a["scale"]), window=int(a.get("window") or 0))
+            shape = {"n_heads": a["n_heads"], "n_kv_heads": a["n_kv_heads"], "head_dim": a["head_dim"],
+                     "block_size": self.block_size, "scale": float(a["scale"]), "window": int(a.get("window") or 0)}
+            if sinks is not None:       # the sinks become a table in the kernel (moe_kernels.py)
+                spec = self.spec("attention_sinks", **shape, sinks=tuple(float(s) for s in sinks.numpy_f32()))
+            else:
+                spec = self.spec("attention", **shape)
             self.emit(spec, ["pool", q, k, v, "T", "positions", "seq_slots", "block_table", "max_blocks",
                              f"m->k_cache[{layer}]", f"m->v_cache[{layer}]", self.buf(n.output)], comment)
             return

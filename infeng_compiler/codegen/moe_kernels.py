@@ -6,6 +6,7 @@
 | ``experts`` | the step's (token, expert) pairs grouped by expert; per expert with tokens, its gate_up and down matrices through the target's linear kernels | scalar (driver) |
 | ``head_rms_norm`` | RMS norm of each head of a row | scalar |
 | ``sigmoid_gate`` | y scaled per token by sigmoid(x . w) | scalar |
+| ``attention_sinks`` | ``attention`` with a learned logit per query head in every softmax denominator (GPT-OSS) | the attention templates: scalar, avx2, avx512 |
 
 ``experts`` is a driver: it sorts the pairs by expert (a counting sort), gathers each expert's token
 rows, and calls the linear kernel of the expert weights' format (f32/f16/bf16 ``linear``, int8/int4
@@ -30,10 +31,12 @@ from .kernels import (
     WEIGHT_CTYPES,
     KernelSpec,
     _all,
+    _check_attention,
     _check_wdtype,
     _expect,
     _OpKernel,
     _positive,
+    _rope_digest,
     kernel_prototype,
 )
 from .quant_kernels import linear_op
@@ -130,6 +133,15 @@ OPS.update({
         lambda p: [p["wdtype"], f"n{p['N']}", f"k{p['K']}"],
         _all(_positive("N", "K"), _check_wdtype)),
 })
+
+#: ``attention`` with sinks: its parameters, prototype and templates, plus ``sinks`` (one float per
+#: query head, a table in the kernel: the online softmax starts from max = sink, denominator = 1).
+_attention = OPS["attention"]
+OPS["attention_sinks"] = _OpKernel(
+    _attention.params + ("sinks",), _attention.prototype, _attention.variants,
+    lambda p: [*_attention.symbol_parts(p), f"sink{_rope_digest(p['sinks'])}"],
+    _all(_check_attention, lambda p: _expect(isinstance(p["sinks"], tuple) and len(p["sinks"]) == p["n_heads"],
+                                             f"attention_sinks: sinks must hold n_heads = {p['n_heads']} values")))
 
 
 def check_expert_formats(gate_up_format: str, down_format: str, where: str) -> None:

@@ -294,3 +294,12 @@ def test_registered_pass_within_its_tolerance_on_stories260k(name, stories_dir, 
 
 def test_registry_cases_name_only_registered_passes() -> None:
     assert set(REGISTRY_CASES) <= set(PASSES), set(REGISTRY_CASES) - set(PASSES)
+
+
+def test_the_compile_pipeline_lists_every_pass_it_runs() -> None:
+    """The pipeline is data and no pass runs another: --kv fht-int8 is two entries, in order."""
+    from infeng_compiler.compile import CompileOptions
+
+    assert CompileOptions(kv="fht-int8", kv_window=16, quant="int4").pipeline() == [
+        ("fht-kv", []), ("kv-format", ["int8", "window=16"]), ("cast-weights", ["f32"]), ("quantize", ["int4"]),
+        ("fuse-linears", [])]

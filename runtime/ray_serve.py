@@ -548,6 +548,7 @@ def build_app(config: RayServeConfig):
     engine_options: dict[str, Any] = {
         "name": ENGINE_DEPLOYMENT, "ray_actor_options": {"num_cpus": config.threads_per_replica},
         "max_ongoing_requests": options.max_seqs, "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
+        "max_constructor_retry_count": 3,           # a replica that cannot load the artifact will not next time
         "graceful_shutdown_timeout_s": options.shutdown_timeout}
     if config.max_replicas is not None:
         engine_options["autoscaling_config"] = {
@@ -596,7 +597,12 @@ def deploy(config: RayServeConfig, address: str | None = None, blocking: bool = 
     url = f"http://{config.options.host}:{config.options.port}"
     try:
         serve.start(http_options={"host": config.options.host, "port": config.options.port})
-        serve.run(app, name=config.app_name, route_prefix="/")
+        try:
+            serve.run(app, name=config.app_name, route_prefix="/")
+        except RuntimeError as e:                   # the replicas failed to start: say why in one line
+            reason = _start_failure(config.app_name) or str(e)
+            serve.delete(config.app_name)
+            raise InfengError(f"the replicas did not start: {reason}") from None
         if not blocking:
             return url
         _log.warning("serving", extra={"fields": {"url": url, "app": config.app_name}})
@@ -608,6 +614,16 @@ def deploy(config: RayServeConfig, address: str | None = None, blocking: bool = 
             serve.shutdown()
             ray.shutdown()
     return url
+
+
+def _start_failure(app_name: str) -> str | None:
+    """The error that stopped a deployment's replicas (the last ``Error: ...`` line of its message)."""
+    app = serve.status().applications.get(app_name)
+    for deployment in (app.deployments.values() if app is not None else []):
+        lines = [ln.strip() for ln in (deployment.message or "").splitlines() if "Error: " in ln]
+        if lines:
+            return lines[-1].split("Error: ", 1)[1]
+    return None
 
 
 class RayAppArgs(BaseModel):

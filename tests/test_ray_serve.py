@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
 from ray import serve
 
-from infeng_runtime.ray_serve import ENGINE_DEPLOYMENT, RayServeConfig, build_app
+from infeng_runtime.ray_serve import ENGINE_DEPLOYMENT, RayServeConfig, app_builder
 from infeng_runtime.server import ServeOptions
 
 APP = "infeng-test"
@@ -95,6 +95,22 @@ def test_cli_serves_and_stops_on_sigterm(artifact, tmp_path):
             proc.wait(30)
 
 
+def test_cli_replicas_that_cannot_load_are_one_line(artifact, tmp_path):
+    """An artifact the replicas refuse (here: no tokenizer) ends serve-ray with the replica's reason
+    on one line, exit 2."""
+    import shutil
+
+    broken = tmp_path / "no-tokenizer.infeng"
+    shutil.copytree(artifact, broken)
+    (broken / "tokenizer.json").unlink()
+    out = subprocess.run([*infeng_command(), "serve-ray", str(broken), "--replicas", "1", "--port", str(free_port())],
+                         check=False, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "RAY_ADDRESS": ""})
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == f"error: the replicas did not start: {broken}: the artifact has " \
+                                                  f"no tokenizer.json; it cannot be served"
+
+
 @pytest.fixture(scope="module")
 def cluster(artifact, adapter_dirs, references, tmp_path_factory):
     """Ray with 2 CPUs for 2 engine replicas x 1 thread; the router, proxy and controller take none.
@@ -106,10 +122,11 @@ def cluster(artifact, adapter_dirs, references, tmp_path_factory):
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        options = ServeOptions(host="127.0.0.1", port=port, max_seqs=16, adapters={**adapter_dirs, "broken": broken})
-        config = RayServeConfig(artifact, options, replicas=2, threads_per_replica=1, adapters_per_replica=1,
-                                app_name=APP)
-        serve.run(build_app(config), name=APP, route_prefix="/")
+        # through the entry point of `serve run` config files
+        adapters_arg = {**{name: str(path) for name, path in adapter_dirs.items()}, "broken": str(broken)}
+        app = app_builder({"artifact": str(artifact), "replicas": 2, "threads_per_replica": 1,
+                           "adapters": adapters_arg, "adapters_per_replica": 1, "max_seqs": 16, "host": "127.0.0.1"})
+        serve.run(app, name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -283,8 +300,6 @@ def engine_deployment(app):
 
 def test_app_builder_fixed_and_autoscaling(artifact, adapter_dirs):
     """The ``serve run`` entry point: fixed replicas, or autoscaling on requests in flight."""
-    from infeng_runtime.ray_serve import app_builder
-
     adapters_arg = {name: str(path) for name, path in adapter_dirs.items()}
     fixed = engine_deployment(app_builder({"artifact": str(artifact), "replicas": 3, "threads_per_replica": 2,
                                            "adapters": adapters_arg, "max_seqs": 8}))

@@ -26,16 +26,13 @@ from infeng_common.errors import ModelFormatError, UnsupportedError
 from ..ir import Graph, TensorType, Value, Weight
 from ..ir.ops import DTYPE_NUMPY, ONNX_PRIMITIVES
 from ..ir.ops import get as get_op
+from ..passes.rewrite import INLINE_LIMIT, PROBE_LENGTHS
 
 #: ONNX TensorProto data types -> IR element types.
 ONNX_DTYPES = {1: "f32", 6: "i32", 7: "i64", 9: "bool", 10: "f16", 11: "f64", 16: "bf16"}
 _NUMPY_TO_IR = {np.dtype(v): k for k, v in DTYPE_NUMPY.items()}
 #: ONNX operators handled besides the primitive table (Constant becomes ``const``; Gelu is the IR op).
 EXTRA_OPS = ("Constant", "Gelu")
-#: The two sequence lengths every node is evaluated at; their difference tells T from constants.
-PROBE_LENGTHS = (7, 12)
-#: Inline constants up to this many elements are printed as values, larger ones become weights.
-INLINE_LIMIT = 16
 #: ONNX input names (lower case) taken as the token ids, the positions, the attention mask.
 TOKEN_INPUTS = ("input_ids", "tokens", "input")
 POSITION_INPUTS = ("position_ids", "positions")

@@ -15,10 +15,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..frontends.onnx import INLINE_LIMIT, PROBE_LENGTHS
 from ..ir import Graph, TensorType, Weight
 from .manager import PassContext, register
-from .rewrite import dead_code_elimination, evaluate, length_only_values, make_node, place, weight_derived_values
+from .rewrite import (
+    INLINE_LIMIT,
+    PROBE_LENGTHS,
+    dead_code_elimination,
+    evaluate,
+    length_only_values,
+    make_node,
+    place,
+    weight_derived_values,
+)
 
 #: Folded constants up to this many elements are inline values; larger ones become inline weights.
 _MAX_FOLD = 1 << 16

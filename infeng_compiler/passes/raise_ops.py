@@ -30,12 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from ..frontends.onnx import PROBE_LENGTHS
 from ..interp import Interpreter
 from ..ir import Graph, Node, TensorType, Value, Weight
 from ..ir.ops import const_array, rope_inv_freq
 from .manager import PassContext, register
-from .rewrite import dead_code_elimination, evaluate, length_only_values, make_node, place, probe_step
+from .rewrite import PROBE_LENGTHS, dead_code_elimination, evaluate, length_only_values, make_node, place, probe_step
 
 _LAYOUT = ("reshape", "transpose", "unsqueeze", "squeeze", "expand", "identity", "add_batch", "drop_batch")
 

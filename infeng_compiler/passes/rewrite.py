@@ -11,6 +11,12 @@ import numpy as np
 from ..interp import Interpreter, KVStore, Step
 from ..ir import Graph, Node, TensorType, Value
 
+#: The two sequence lengths an ONNX import evaluates every node at (the frontend, to declare types;
+#: ``fold-shapes``, to fold shapes); their difference tells ``T`` from constants.
+PROBE_LENGTHS = (7, 12)
+#: Inline constants up to this many elements are printed as values, larger ones become weights.
+INLINE_LIMIT = 16
+
 
 def probe_step(length: int) -> Step:
     """The step a probe evaluation runs: one sequence of ``length`` tokens from position 0."""

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import httpx
@@ -35,6 +36,7 @@ ADAPTER_PROMPTS = ["Once upon a time", "The little dog"]
 KILL_STREAMS = 12
 KILL_TOKENS = 320
 REQUEST_TIMEOUT_S = 120.0
+STARTUP_S = 240.0
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +128,7 @@ def cluster(artifact, adapter_dirs, references, tmp_path_factory):
         adapters_arg = {**{name: str(path) for name, path in adapter_dirs.items()}, "broken": str(broken)}
         app = app_builder({"artifact": str(artifact), "replicas": 2, "threads_per_replica": 1,
                            "adapters": adapters_arg, "adapters_per_replica": 1, "max_seqs": 16, "host": "127.0.0.1"})
-        serve.run(app, name=APP, route_prefix="/")
+        within(STARTUP_S, lambda: serve.run(app, name=APP, route_prefix="/"))
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -282,6 +284,26 @@ def _health(url: str) -> int:
         return httpx.get(f"{url}/health", timeout=5).status_code
     except httpx.HTTPError:
         return 0
+
+
+def within(timeout_s: float, fn):
+    """``fn()``, failing the test if it has not returned in ``timeout_s`` (serve.run has no timeout)."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 (re-raised on the test's thread)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise AssertionError(f"not done in {timeout_s} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def wait_for(condition, timeout_s: float, describe) -> None:

@@ -9,6 +9,7 @@ The registry test is parametrized by the registry itself: a pass registered with
 """
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from infeng_common.peft import LoraAdapter, LoraModule
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter
 from infeng_compiler.ir import Graph, parse, print_graph
-from infeng_compiler.passes import catalogue  # noqa: F401  (registers every pass)
+from infeng_compiler.passes import catalogue  # importing it registers every pass
 from infeng_compiler.passes.manager import PASSES, PassContext, PassManager, parse_pipeline
 
 #: in-domain text for stories260K (TinyStories): logits of a trained model on its own kind of text
@@ -303,3 +304,14 @@ def test_the_compile_pipeline_lists_every_pass_it_runs() -> None:
     assert CompileOptions(kv="fht-int8", kv_window=16, quant="int4").pipeline() == [
         ("fht-kv", []), ("kv-format", ["int8", "window=16"]), ("cast-weights", ["f32"]), ("quantize", ["int4"]),
         ("fuse-linears", [])]
+
+
+def test_no_pass_imports_a_frontend() -> None:
+    """DESIGN §2: passes build on ir/, quant/ and the interpreter; a frontend is never imported."""
+    for path in sorted(Path(catalogue.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ["." * node.level + (node.module or "")] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                assert not name.startswith("..frontends") and not name.startswith("infeng_compiler.frontends"), \
+                    f"{path.name} imports {name}"

@@ -139,16 +139,28 @@ OPS.update({
 
 
 #: Weight rows per work item of the MXFP4 linear (threads split the rows), and token rows per tile
-#: of its vector templates (f32 activations: one decoded row serves TT tokens; int8: 2 rows x TT).
+#: of its vector templates (f32 activations: one decoded row serves TT tokens; int8: MXFP4_TILE_ROWS
+#: rows x TT tokens).
 MXFP4_ROWS_PER_ITEM = 8
 _MXFP4_TT = {"scalar": 1, "avx2": 2, "avx512": 4}
+#: Weight rows the AVX-512 int8 kernel decodes together: one at a time for a single token row (one
+#: stream per thread, every value in registers: 22 GB/s of MXFP4 from DRAM on one Zen 5 core against
+#: 10 GB/s with 4 rows at a time), 2 for several token rows (the activation operands of a group serve
+#: both: 210 GFLOP/s at T = 128 against 135 with 1 row; 3 rows and 6-8 tokens within noise).
+#: Measured with CPU time (the dev machine was shared), K x N = 2880 x 5760.
+MXFP4_GEMV_ROWS = 1
+MXFP4_TILE_ROWS = 2
+#: Software prefetch distance of the MXFP4 AVX-512 kernel along each weight row, bytes (0: none):
+#: 256-1024 within noise of none on the shared dev machine; 512 as the int4 decode kernel.
+MXFP4_PREFETCH_BYTES = 512
 #: Activation forms of the MXFP4 linear: f32 (exact, the default) or int8 rows in blocks of 32.
 MXFP4_ACTS = ("f32", "q8")
 
 
 def _mxfp4_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
     lay = act_row_layout(p["K"], 8)
-    return {"rows_per_item": MXFP4_ROWS_PER_ITEM, "tt": _MXFP4_TT[isa], "act_row_bytes": lay["row_bytes"],
+    return {"rows_per_item": MXFP4_ROWS_PER_ITEM, "tt": _MXFP4_TT[isa], "prefetch": MXFP4_PREFETCH_BYTES,
+            "gemv_rows": MXFP4_GEMV_ROWS, "multi_rows": MXFP4_TILE_ROWS, "act_row_bytes": lay["row_bytes"],
             "act_d_offset": lay["d_offset"]}
 
 

@@ -639,6 +639,19 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                                                             help="require 'Authorization: Bearer KEY' on /v1"),
                       max_request_bytes: str = typer.Option("4MiB", "--max-request-bytes",
                                                             help="largest request body (413 beyond it)"),
+                      kv_memory: Optional[str] = typer.Option(None, "--kv-memory",
+                                                              help="KV pool size per replica, e.g. 512MiB"),
+                      max_batched_tokens: Optional[int] = typer.Option(None, "--max-batched-tokens",
+                                                                       help="token budget per step"),
+                      no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="never share KV blocks"),
+                      trust_request_chat_template: bool = typer.Option(False, "--trust-request-chat-template",
+                                                                       help="run chat templates sent by clients"),
+                      shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout",
+                                                             help="seconds a stopping replica's requests get to "
+                                                                  "finish"),
+                      always_include_usage: bool = typer.Option(False, "--always-include-usage",
+                                                                help="end every stream with a usage chunk"),
+                      speculative: Optional[str] = SPECULATIVE,
                       target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
                       max_adapters: int = typer.Option(0, "--max-adapters", min=0,
                                                        help="LoRA slots when compiling MODEL (default: 4 with "
@@ -649,7 +662,8 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                       kv: KVScheme = KV, kv_window: int = KV_WINDOW):
     """Serve MODEL on Ray Serve: engine replicas behind one OpenAI router, adapters placed on
     replicas by Ray's model multiplexing, autoscaling on requests in flight (docs/scale-out.md).
-    Starts a Ray cluster here, or joins --address; serves until SIGINT/SIGTERM."""
+    Starts a Ray cluster here, or joins --address (or $RAY_ADDRESS); serves until SIGINT/SIGTERM.
+    Each replica takes the options of `infeng serve`."""
     try:
         from infeng_runtime.ray_serve import RayServeConfig, deploy
     except ImportError as e:
@@ -660,10 +674,17 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
         max_adapters = max(4, len(adapter))
     artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
                                  quant_policy, calib, calib_max_bytes, kv, kv_window)
+    from infeng_runtime.speculative import parse_speculative
+
     options = ServeOptions(host=host, port=port, threads=threads_per_replica, max_seqs=max_seqs,
                            max_context=max_context, max_waiting=max_queue, served_model_name=served_model_name,
                            adapters=parse_named_paths(adapter, "--adapter"), api_key=api_key,
-                           max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"))
+                           max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
+                           kv_memory=parse_size(kv_memory, "--kv-memory") if kv_memory else None,
+                           max_batched_tokens=max_batched_tokens, prefix_cache=not no_prefix_cache,
+                           trust_request_chat_template=trust_request_chat_template,
+                           shutdown_timeout=shutdown_timeout, always_include_usage=always_include_usage,
+                           speculative=parse_speculative(speculative))
     config = RayServeConfig(artifact, options, replicas=replicas, min_replicas=min_replicas,
                             max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
                             threads_per_replica=threads_per_replica, adapters_per_replica=adapters_per_replica)

@@ -571,7 +571,7 @@ def _adapter_slots(artifact: Path) -> int:
 
 
 def deploy(config: RayServeConfig, address: str | None = None, blocking: bool = True) -> str:
-    """Start (or join, at ``address``) a Ray cluster, run the application on ``options.host:port``
+    """Start (or join, at ``address`` or ``$RAY_ADDRESS``) a Ray cluster, run the application on ``options.host:port``
     and return its URL; with ``blocking``, serve until SIGINT/SIGTERM, then delete the application
     (and stop the cluster if this call started it)."""
     import signal
@@ -590,7 +590,8 @@ def deploy(config: RayServeConfig, address: str | None = None, blocking: bool = 
                 signal.signal(sig, lambda *_: stop.set())
 
     on_signal()
-    started_here = not ray.is_initialized() and not address
+    address = address or os.environ.get("RAY_ADDRESS") or "local"      # "local": a new cluster on this machine
+    started_here = not ray.is_initialized() and address == "local"
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
         on_signal()

@@ -651,6 +651,8 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                                                                   "finish"),
                       always_include_usage: bool = typer.Option(False, "--always-include-usage",
                                                                 help="end every stream with a usage chunk"),
+                      log_format: str = typer.Option("text", "--log-format", help="text (key=value) or json"),
+                      log_level: str = typer.Option("info", "--log-level"),
                       speculative: Optional[str] = SPECULATIVE,
                       target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
                       max_adapters: int = typer.Option(0, "--max-adapters", min=0,
@@ -684,7 +686,7 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                            max_batched_tokens=max_batched_tokens, prefix_cache=not no_prefix_cache,
                            trust_request_chat_template=trust_request_chat_template,
                            shutdown_timeout=shutdown_timeout, always_include_usage=always_include_usage,
-                           speculative=parse_speculative(speculative))
+                           speculative=parse_speculative(speculative), log_level=log_level, log_format=log_format)
     config = RayServeConfig(artifact, options, replicas=replicas, min_replicas=min_replicas,
                             max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
                             threads_per_replica=threads_per_replica, adapters_per_replica=adapters_per_replica)

@@ -47,6 +47,7 @@ from .adapters import AdapterError
 from .api_errors import APIError
 from .http_guard import AccessGuard, AccessPolicy, is_loopback_address
 from .json_body import parse_json
+from .request_log import configure_logging
 from .server import ServeOptions, Server, build_server
 
 __all__ = ["ForwardedRequest", "InfengEngine", "InfengRouter", "RayAppArgs", "RayServeConfig", "app_builder",
@@ -171,6 +172,7 @@ class InfengEngine:
 
     async def __init__(self, artifact: str, options: ServeOptions, adapter_dirs: dict[str, str],
                        adapters_per_replica: int):
+        configure_logging(options.log_level, options.log_format)       # one line per request, as infeng serve
         threads = _replica_threads(options.threads)
         self.server = build_server(artifact, replace(options, threads=threads, adapters={}))
         self.adapter_dirs = {name: Path(path) for name, path in adapter_dirs.items()}
@@ -342,6 +344,7 @@ class InfengRouter:
     """The HTTP ingress: routes each request to an engine replica by its ``model`` (adapter)."""
 
     def __init__(self, engine: DeploymentHandle, model_name: str, adapters: list[str], options: ServeOptions):
+        configure_logging(options.log_level, options.log_format)
         self.engine = engine
         self.model_name = model_name
         self.adapters = list(adapters)
@@ -579,6 +582,7 @@ def deploy(config: RayServeConfig, address: str | None = None, blocking: bool = 
 
     import ray
 
+    configure_logging(config.options.log_level, config.options.log_format)
     app = build_app(config)
     stop = threading.Event()
 

@@ -476,24 +476,31 @@ def test_constrained_sampled_speculation_validates(artifact):
 
 
 @pytest.fixture(scope="module")
-def native_int4(tmp_path_factory):
+def native_builds(tmp_path_factory):
     from infeng_compiler.compile import CompileOptions, compile_model
 
-    path = tmp_path_factory.mktemp("spec-native") / "int4.infeng"
-    compile_model(STORIES, path, CompileOptions(target="native", quant="int4"))
-    return path
+    root = tmp_path_factory.mktemp("spec-native")
+    out = {}
+    for name, opts in {"int4": CompileOptions(target="native", quant="int4"),
+                       "int4-fht-int8": CompileOptions(target="native", quant="int4", kv="fht-int8"),
+                       "f16-kv": CompileOptions(target="native", kv="f16")}.items():
+        compile_model(STORIES, root / f"{name}.infeng", opts)
+        out[name] = root / f"{name}.infeng"
+    return out
 
 
+@pytest.mark.parametrize("variant", ["int4", "int4-fht-int8", "f16-kv"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_greedy_ngram_is_exact_on_a_native_int4_build(native_int4, threads):
-    """The host's best kernels (AVX-512/VNNI int4 linears, vector attention) compute a token row
-    the same way at any row count, so verifying drafts in one step gives the one-by-one tokens."""
+def test_greedy_ngram_is_exact_on_native_builds(native_builds, variant, threads):
+    """The host's best kernels (AVX-512/VNNI int4 linears, vector attention over f32, f16 and
+    fht-int8 caches) compute a token row the same way at any row count, so verifying drafts in one
+    step gives the one-by-one tokens and logprobs, bit for bit."""
     from infeng_runtime.llm import LLM
 
     def run(spec):
-        llm = LLM(native_int4, threads=threads, max_seqs=4, speculative=spec)
+        llm = LLM(native_builds[variant], threads=threads, max_seqs=4, speculative=spec)
         try:
-            outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=64), logprobs=0)
+            outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=96), logprobs=0)
             return [(o.token_ids, [e.logprob for e in o.logprobs]) for o in outs], llm.loop.snapshot()
         finally:
             llm.close()

@@ -326,3 +326,31 @@ def test_gguf_runs_in_llama_bench(tiny_gpt_oss) -> None:
                           "-p", "16", "-n", "4", "-r", "1", "-o", "json"], check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "gpt-oss" in out.stdout and "MXFP4" in out.stdout
+
+
+def test_tiny_checkpoint_matches_transformers(tiny_gpt_oss, tmp_path) -> None:
+    """The MXFP4 experts read as they are, interpreted and compiled, against transformers on its
+    dequantized MXFP4 (f32): logits of a prefill and of decode steps within 1e-4 x max |logit|."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from infeng_compiler.compile import CompileOptions, compile_model
+    from infeng_compiler.frontends.hf import import_hf
+    from infeng_compiler.interp import Interpreter
+    from infeng_runtime.engine import Engine
+
+    model_dir, _ = tiny_gpt_oss
+    ids = np.array([1, 45, 300, 12, 7, 99, 250, 3, 60, 411, 5, 17], np.int32)    # past the window of 4
+    n = len(ids)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(torch.tensor(ids[None])).logits[0].numpy()
+    graph = import_hf(model_dir)
+    assert graph.weights["model.layers.0.mlp.experts.gate_up_proj"].format == "mxfp4"
+    interp = Interpreter(graph).step(ids, np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
+    assert rel_err(interp, ref) < 1e-4
+    out = tmp_path / "m.infeng"
+    compile_model(model_dir, out, CompileOptions())
+    engine = Engine(out, max_seqs=2)
+    assert rel_err(engine.step(ids, np.arange(n, dtype=np.int32), np.zeros(n, np.int32)), ref) < 1e-4
+    steps = [engine.step(ids[i:i + 1], np.array([i], np.int32), np.array([1], np.int32)) for i in range(n)]
+    assert rel_err(np.concatenate(steps), ref) < 1e-4

@@ -21,6 +21,7 @@ from ..ir import Graph, TensorType, Value, Weight
 from ..ir.moe_ops import StackedWeight, TensorPart
 from ..ir.ops import rope_attention_factor
 from .checkpoint import TensorEntry, read_checkpoint
+from .mxfp4 import mxfp4_weight
 
 #: Mixture-of-experts families (built by ``build_llama`` with a routed MLP, docs/moe.md).
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
@@ -318,25 +319,40 @@ class _Builder:
 
     def gpt_oss_experts(self, g: Graph, prefix: str, n_experts: int, hidden: int, inter: int) -> list[Weight]:
         """GPT-OSS's fused expert tensors: gate_up_proj [E, H, 2I] (gate and up columns interleaved) and
-        down_proj [E, I, H], stored [in, out], read as [E, out, in]; their biases [E, 2I], [E, H]."""
+        down_proj [E, I, H], stored [in, out], read as [E, out, in]; or, as openai/gpt-oss ships them,
+        MXFP4 ``*_blocks`` / ``*_scales`` (already [E, out, in/32, ...]), kept as stored; their biases
+        [E, 2I], [E, H]."""
         def entry(name: str, shape: tuple[int, ...]) -> TensorEntry:
             t = self.tensors.get(prefix + name)
             if t is None:
-                if prefix + name + "_blocks" in self.tensors:
-                    raise UnsupportedError(f"{self.source}: {prefix + name} is MXFP4 ({name}_blocks/_scales), "
-                                           "which this frontend does not read yet")
                 raise ModelFormatError(f"{self.source}: tensor {prefix + name} is missing from the checkpoint")
             if t.shape != shape:
                 raise ModelFormatError(f"{t.file}: tensor {prefix + name} has shape {list(t.shape)} but config.json "
                                        f"implies {list(shape)}")
             return t
 
-        gate_up = entry("gate_up_proj", (n_experts, hidden, 2 * inter))
-        down = entry("down_proj", (n_experts, inter, hidden))
-        return [self.stacked(g, prefix + "gate_up_proj", [gate_up], (n_experts, 2 * inter, hidden), swap_last=True),
-                self.stacked(g, prefix + "down_proj", [down], (n_experts, hidden, inter), swap_last=True),
-                self.weight(g, prefix + "gate_up_proj_bias", (n_experts, 2 * inter)),
+        if prefix + "gate_up_proj_blocks" in self.tensors:          # MXFP4, as openai/gpt-oss ships them
+            matrices = [self.mxfp4(g, prefix + "gate_up_proj", (n_experts, 2 * inter, hidden)),
+                        self.mxfp4(g, prefix + "down_proj", (n_experts, hidden, inter))]
+        else:
+            gate_up = entry("gate_up_proj", (n_experts, hidden, 2 * inter))
+            down = entry("down_proj", (n_experts, inter, hidden))
+            matrices = [self.stacked(g, prefix + "gate_up_proj", [gate_up], (n_experts, 2 * inter, hidden), swap_last=True),
+                        self.stacked(g, prefix + "down_proj", [down], (n_experts, hidden, inter), swap_last=True)]
+        return [*matrices, self.weight(g, prefix + "gate_up_proj_bias", (n_experts, 2 * inter)),
                 self.weight(g, prefix + "down_proj_bias", (n_experts, hidden))]
+
+    def mxfp4(self, g: Graph, name: str, shape: tuple[int, ...]) -> Weight:
+        """The MXFP4 weight ``name`` [E, out, in] from its ``_blocks`` and ``_scales`` tensors, kept as stored."""
+        blocks, scales = self.tensors.get(name + "_blocks"), self.tensors.get(name + "_scales")
+        if blocks is None or scales is None:
+            raise ModelFormatError(f"{self.source}: tensor {name}_{'scales' if blocks else 'blocks'} is missing "
+                                   "from the checkpoint")
+        weight = mxfp4_weight(name, blocks, scales)
+        if tuple(weight.type.shape) != shape:
+            raise ModelFormatError(f"{blocks.file}: MXFP4 tensor {name} is {list(weight.type.shape)} but config.json "
+                                   f"implies {list(shape)}")
+        return g.add_weight(weight)
 
     def output_embedding(self, g: Graph, embed_name: str, vocab: int, hidden: int) -> Weight:
         tied = self.config.get("tie_word_embeddings", self.config["model_type"] == "gpt2")

@@ -1,5 +1,6 @@
 """MXFP4 weights from a checkpoint: a ``*_blocks`` / ``*_scales`` pair (GPT-OSS's experts) as one
-packed weight, memory-mapped and kept byte for byte (``quant/formats.py``: ``MXFP4Format``)."""
+packed weight, memory-mapped and kept byte for byte (``quant/formats.py``: ``MXFP4Format``); marked
+``prequantized``, so ``cast-weights`` and ``quantize`` keep it (an explicit ``--dtype`` widens it)."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,4 +29,4 @@ def mxfp4_weight(name: str, blocks: TensorEntry, scales: TensorEntry) -> Weight:
         raise ModelFormatError(f"{blocks.file}: cannot map MXFP4 tensor {blocks.name}: {e}") from None
     quant = mxfp4_tensor(codes, exps)
     shape = (*blocks.shape[:-2], blocks.shape[-2] * MXFP4_BLOCK)
-    return Weight(name, TensorType("f32", shape), attrs={"format": "mxfp4"}, quant=quant)
+    return Weight(name, TensorType("f32", shape), attrs={"format": "mxfp4", "prequantized": "checkpoint MXFP4"}, quant=quant)

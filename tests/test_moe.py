@@ -210,3 +210,30 @@ def test_compiled_reduced_precision_experts(moe_checkpoint, moe_artifact, dtype:
     seq_ids = np.repeat(np.arange(len(prompts)), [len(p) for p in prompts])
     want, got = interp.step(tokens, positions, seq_ids), engine.step(tokens, positions, seq_ids)
     assert np.abs(got - want).max() <= bound * np.abs(want).max()
+
+
+#: compiled vs the interpreter of the same quantized graph: the integer kernels against the reference's
+#: float64 dot products of the same codes (tests/test_quant_compiled.py's bounds and reasons)
+QUANT_TOLERANCE = {"int4": 1e-2, "int8": 1e-3}
+
+
+@pytest.mark.parametrize("preset", ["int8", "int4"])
+def test_compiled_quantized_experts(moe_checkpoint, tmp_path: Path, preset: str) -> None:
+    """--quant quantizes the stacked experts too (expert by expert, in the preset's format; int4 pads
+    I = 48 to whole groups), and the driver's integer kernels match the interpreter, which rounds the
+    rows each expert matrix reads as the driver's quantize_act does (``act_quant``)."""
+    model = moe_checkpoint("qwen2_moe")
+    out = tmp_path / f"{preset}.infeng"
+    compile_model(model, out, CompileOptions(target="native", quant=preset))
+    graph = import_hf(model)
+    PassManager([("quantize", [preset])]).run(graph)
+    experts = next(graph.find("experts"))
+    assert experts.weights[0].format == ("q8r" if preset == "int8" else "q4g32") == experts.weights[1].format
+    assert experts.attrs["act_quant"] == ([16, 0] if preset == "int8" else [8, 32])
+    prompts = random_prompts(VOCAB)
+    tokens = np.concatenate(prompts)
+    positions = np.concatenate([np.arange(len(p)) for p in prompts])
+    seq_ids = np.repeat(np.arange(len(prompts)), [len(p) for p in prompts])
+    want, got = Interpreter(graph).step(tokens, positions, seq_ids), Engine(out).step(tokens, positions, seq_ids)
+    assert np.abs(got - want).max() <= QUANT_TOLERANCE[preset] * np.abs(want).max()
+    assert (got.argmax(axis=1) == want.argmax(axis=1)).mean() >= 0.9

@@ -7,6 +7,7 @@ get 64-byte aligned offsets into ``weights.bin``. Each call names a ``KernelSpec
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +75,8 @@ class LoweredModel:
 def weight_nbytes(w: Weight) -> int:
     """Bytes of a weight in weights.bin: its quantized layout, or its elements in f32/f16/bf16."""
     if is_quantized(w.format):
-        return get_format(w.format).nbytes(tuple(w.type.shape))
+        shape = tuple(w.type.shape)           # stacked experts [E, N, K]: E layouts of [N, K], one [E*N, K]
+        return get_format(w.format).nbytes(shape if len(shape) == 2 else (math.prod(shape[:-1]), shape[-1]))
     return w.type.numel() * (4 if w.format == "f32" else 2)
 
 

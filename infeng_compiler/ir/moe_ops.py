@@ -23,7 +23,9 @@ Weights keep the [out, in] layout of ``linear``: ``gate_up`` stacks each expert'
 its up rows (``gate_up="concat"``) or interleaves them, gate row j at 2j and up row j at 2j+1
 (``gate_up="interleaved"``, GPT-OSS). ``activation``: ``silu`` (silu(gate) * up) or
 ``swiglu_clamp`` (GPT-OSS: gate clamped to <= limit, up to [-limit, limit],
-``(up + 1) * gate * sigmoid(alpha * gate)``).
+``(up + 1) * gate * sigmoid(alpha * gate)``). ``act_quant`` [bits, block] (optional, set with integer
+expert weights): the rows each matrix multiplies are rounded through ``quantize_act``'s integer
+form first, as the kernels do. A quantized stacked weight may come as its [E*N, K] matrix.
 """
 from __future__ import annotations
 
@@ -132,15 +134,25 @@ def expert_activation(gate: np.ndarray, up: np.ndarray, attrs: dict) -> np.ndarr
 @reference("experts")
 def _experts_ref(ins, ws, attrs, step):
     x, rw, ids = ins
-    gu, down = ws[0], ws[1]
-    out = np.zeros((x.shape[0], down.shape[1]), dtype=np.float64)
+    H, I = x.shape[1], ws[1].shape[-1]
+    gu, down = ws[0].reshape(-1, 2 * I, H), ws[1].reshape(-1, H, I)
+    quant = attrs.get("act_quant")
+
+    def rounded(rows: np.ndarray) -> np.ndarray:
+        if not quant:
+            return rows
+        from ..quant.act import fake_quant
+
+        return fake_quant(rows, quant[1], quant[0])
+
+    out = np.zeros((x.shape[0], H), dtype=np.float64)
     for e in np.unique(ids):
         rows, slots = np.nonzero(ids == e)
-        h = x[rows].astype(np.float32) @ gu[e].T
+        h = rounded(x[rows].astype(np.float32)) @ gu[e].T
         if len(ws) == 4:
             h = h + ws[2][e]
         act = expert_activation(*split_gate_up(h, attrs["gate_up"]), attrs).astype(np.float32)
-        y = (act @ down[e].T).astype(np.float64)
+        y = (rounded(act) @ down[e].T).astype(np.float64)
         if len(ws) == 4:
             y += ws[3][e]
         np.add.at(out, rows, y * rw[rows, slots][:, None])

@@ -48,6 +48,7 @@ from ..quant.formats import get_format, is_quantized
 from ..quant.policy import GROUPS, PRESETS, QuantPolicy, check_format
 from ..quant.search import quantize
 from .manager import PassContext, register
+from .quantize_experts import quantize_experts
 
 _MATMUL_OPS = ("linear", "lora_linear", "logits")
 _FLAGS = {"asym"}
@@ -195,6 +196,8 @@ class Quantize:
             if a.fallback_from:
                 w.attrs["fallback_from"] = a.fallback_from
             reports.append(TensorReport(name, a.format, tuple(w.type.shape), nbytes, a.rule, a.padded, a.fallback_from))
+        for e in quantize_experts(graph, self.policy.default, search=self.clip):     # docs/moe.md
+            reports.append(TensorReport(e.name, e.format, e.shape, e.nbytes, "experts (default)"))
         for name in sorted(kept & {w.name for n in graph.nodes for w in n.weights}):
             w = graph.weights[name]
             reports.append(TensorReport(name, w.format, tuple(w.type.shape), get_format(w.format).nbytes(w.type.shape),
@@ -310,7 +313,8 @@ def quant_layout(w) -> dict[str, Any]:
     if not is_quantized(w.format):
         return {}
     out: dict[str, Any] = {}
-    pad = get_format(w.format).padding(tuple(w.type.shape))
+    shape = tuple(w.type.shape)                 # stacked experts [E, N, K]: their [E*N, K] matrix
+    pad = get_format(w.format).padding(shape if len(shape) == 2 else (int(np.prod(shape[:-1])), shape[-1]))
     if pad:
         out["padded"] = [pad["N"], pad["K"]]
     if w.attrs.get("fallback_from"):

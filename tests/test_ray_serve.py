@@ -33,6 +33,7 @@ PROMPTS = [f"Once upon a time, {name} went to the" for name in
            ("Lily", "Tom", "Ben", "Sue", "Max", "Anna", "Tim", "Mia")] * 4         # 32 requests
 STREAM_TOKENS = 24
 ADAPTER_PROMPTS = ["Once upon a time", "The little dog"]
+CHAT = [{"role": "system", "content": "You tell short stories."}, {"role": "user", "content": "Tell me about a cat."}]
 KILL_STREAMS = 12
 KILL_TOKENS = 320
 REQUEST_TIMEOUT_S = 120.0
@@ -63,6 +64,9 @@ def references(artifact, adapter_dirs, tmp_path_factory) -> dict[tuple[str, str,
             got = client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
                                               extra_body={"ignore_eos": True})
             out[(model, prompt, n)] = got.choices[0].text
+        for model in ("stories260K", ADAPTER_NAMES[0]):
+            chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=STREAM_TOKENS, temperature=0)
+            out[(model, "chat", STREAM_TOKENS)] = chat.choices[0].message.content
     return out
 
 
@@ -85,7 +89,7 @@ def test_cli_serves_and_stops_on_sigterm(artifact, tmp_path):
                                 env={**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _health(url) == 200, 180, lambda: log.read_text()[-3000:])
+        wait_for(lambda: _health(url), 180, lambda: log.read_text()[-3000:])
         got = httpx.post(f"{url}/v1/completions", timeout=60,
                          json={"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 8})
         assert got.status_code == 200 and got.json()["usage"]["completion_tokens"] == 8
@@ -171,6 +175,21 @@ def test_32_streams_equal_infeng_serve_on_both_replicas(cluster, references):
         assert text == references[("stories260K", prompt, STREAM_TOKENS)]
     replicas = {replica for _, replica in results}
     assert len(replicas) == 2 and "" not in replicas, f"replicas that answered: {replicas}"
+
+
+def test_chat_streams_equal_infeng_serve(cluster, references):
+    async def chat(client, model: str) -> str:
+        stream = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=STREAM_TOKENS,
+                                                      temperature=0, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{cluster}/v1", api_key="unused", max_retries=0,
+                                      timeout=REQUEST_TIMEOUT_S) as client:
+            return await asyncio.gather(chat(client, "stories260K"), chat(client, ADAPTER_NAMES[0]))
+    base, adapted = asyncio.run(run())
+    assert base == references[("stories260K", "chat", STREAM_TOKENS)]
+    assert adapted == references[(ADAPTER_NAMES[0], "chat", STREAM_TOKENS)]
 
 
 def test_errors_are_the_same_as_infeng_serve(cluster):
@@ -273,17 +292,18 @@ def test_replica_killed_mid_load(cluster, references):
         deployment = serve.status().applications[APP].deployments[ENGINE_DEPLOYMENT]
         return {str(getattr(k, "value", k)): v for k, v in deployment.replica_states.items()}.get("RUNNING") == 2
     wait_for(two_running, 120, lambda: str(serve.status().applications[APP].deployments[ENGINE_DEPLOYMENT]))
-    wait_for(lambda: _health(cluster) == 200, 30, lambda: "health")
-    assert httpx.get(f"{cluster}/health", timeout=30).json()["replicas"]["running"] == 2
+    wait_for(lambda: _health(cluster, running=2), 30, lambda: httpx.get(f"{cluster}/health", timeout=30).text)
     after = streams(cluster, [("stories260K", p, STREAM_TOKENS) for p in PROMPTS[:8]])
     assert [t for t, _ in after] == [references[("stories260K", p, STREAM_TOKENS)] for p in PROMPTS[:8]]
 
 
-def _health(url: str) -> int:
+def _health(url: str, running: int = 1) -> bool:
+    """/health answers 200 with at least ``running`` engine replicas running."""
     try:
-        return httpx.get(f"{url}/health", timeout=5).status_code
+        answer = httpx.get(f"{url}/health", timeout=5)
     except httpx.HTTPError:
-        return 0
+        return False
+    return answer.status_code == 200 and answer.json()["replicas"].get("running", 0) >= running
 
 
 def within(timeout_s: float, fn):

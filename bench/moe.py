@@ -6,7 +6,8 @@
 The checkpoint is ``infeng_models.gpt_oss_shape`` (random MXFP4 experts, bf16 elsewhere, written
 once under ``--workdir``: about 13 GB, and as much again for the GGUF it transcodes for llama.cpp).
 ``infeng compile`` builds the artifact (``--max-tokens`` = ``--pp``, so the prompt is one forward
-call; ``--compile-args`` adds options). Then, for every round (the order flips each round, so
+call; ``--compile-args``, by default ``--passes cast-weights(bf16),fuse-linears``: the bf16 matrices
+stay bf16 and the MXFP4 experts MXFP4, the bytes the GGUF holds). Then, for every round (the order flips each round, so
 drift hits both alike), in fresh processes on ``--threads`` threads:
 
 - ``pp``: prompt processing of ``--pp`` tokens (``infeng bench --prompt-len``; llama-bench ``-p``);
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shlex
 import subprocess
@@ -49,25 +49,42 @@ from compare_llamacpp import (
     require_peer,
 )
 
+#: The checkpoint's bf16 matrices stay bf16 (the default pipeline stores f32) and its MXFP4 experts
+#: stay MXFP4 (``--dtype bf16`` would widen them too), so both engines read the same bytes.
+DEFAULT_COMPILE_ARGS = "--passes cast-weights(bf16),fuse-linears"
+
 
 def run_measured(cmd: list[str], what: str, env: dict | None = None) -> tuple[str, float]:
-    """(stdout, peak RSS in MiB) of ``cmd`` (``wait4`` gives that child's own rusage); a BenchError
-    with the tail of its output when it fails."""
-    with tempfile.TemporaryFile("w+") as err_file:
+    """(stdout, peak RSS in MiB) of ``cmd``; a BenchError with the tail of its output when it fails.
+
+    The peak is the child's own VmHWM, read from /proc every 20 ms while it runs: ``wait4``'s
+    ru_maxrss would count this process's memory too (Linux carries the high-water mark of the
+    forking image across exec)."""
+    with tempfile.TemporaryFile("w+") as out_file, tempfile.TemporaryFile("w+") as err_file:
         try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_file, text=True, env=env)
+            proc = subprocess.Popen(cmd, stdout=out_file, stderr=err_file, text=True, env=env)
         except OSError as e:
             raise BenchError(f"{what}: cannot run {cmd[0]}: {e}") from None
-        out = proc.stdout.read()
-        proc.stdout.close()
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        peak_kib = 0
+        while proc.poll() is None:
+            peak_kib = max(peak_kib, _vm_hwm_kib(proc.pid))
+            time.sleep(0.02)
+        out_file.seek(0)
         err_file.seek(0)
-        err = err_file.read()
+        out, err = out_file.read(), err_file.read()
     if proc.returncode != 0:
         tail = "\n".join((err or out).strip().splitlines()[-15:])
         raise BenchError(f"{what} failed (exit {proc.returncode}): {shlex.join(cmd)}\n{tail}")
-    return out, round(usage.ru_maxrss / 1024, 1)
+    return out, round(peak_kib / 1024, 1)
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    """The peak resident set of a running process (0 once it has exited)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
 
 
 # -- inputs --------------------------------------------------------------------------------------
@@ -172,7 +189,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=512, help="prompt tokens of the prefill measurement")
     p.add_argument("--tg", type=int, default=64, help="decode steps of the decode measurement")
     p.add_argument("--target", default="native")
-    p.add_argument("--compile-args", default="", help="more `infeng compile` options, one string")
+    p.add_argument("--compile-args", default=DEFAULT_COMPILE_ARGS,
+                   help="`infeng compile` options, one string (default: bf16 storage of the non-expert matrices, "
+                        "as the checkpoint and the GGUF hold them; the MXFP4 experts are kept as they are)")
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     p.add_argument("--model", type=Path, default=None, help="a GPT-OSS MXFP4 checkpoint instead of the built one")
     p.add_argument("--tiny", action="store_true", help="the scaled-down shape (checks the pipeline)")

@@ -80,6 +80,7 @@ class RayServeConfig:
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None    # autoscaling target per replica (default: max_seqs)
+    autoscaling_options: dict[str, Any] = field(default_factory=dict)   # more of Ray's autoscaling_config
     threads_per_replica: int = 1                     # the replica's num_cpus, and its engine's threads
     adapters_per_replica: int | None = None          # resident adapters per replica (default: the artifact's slots)
     app_name: str = "infeng"
@@ -557,7 +558,8 @@ def build_app(config: RayServeConfig):
         engine_options["autoscaling_config"] = {
             "min_replicas": config.min_replicas, "max_replicas": config.max_replicas,
             "initial_replicas": config.replicas,
-            "target_ongoing_requests": config.target_ongoing_requests or options.max_seqs}
+            "target_ongoing_requests": config.target_ongoing_requests or options.max_seqs,
+            **config.autoscaling_options}
     else:
         engine_options["num_replicas"] = config.replicas
     engine = serve.deployment(InfengEngine).options(**engine_options).bind(
@@ -642,6 +644,7 @@ class RayAppArgs(BaseModel):
     min_replicas: int | None = Field(None, ge=0)
     max_replicas: int | None = Field(None, ge=1)
     target_ongoing_requests: float | None = Field(None, gt=0)
+    autoscaling_config: dict[str, Any] = Field(default_factory=dict)   # upscale_delay_s, downscale_delay_s, ...
     threads_per_replica: int = Field(1, ge=1)
     adapters: dict[str, str] = Field(default_factory=dict)   # name -> PEFT directory
     adapters_per_replica: int | None = Field(None, ge=1)
@@ -664,5 +667,6 @@ def app_builder(args: RayAppArgs | dict[str, Any]):
     return build_app(RayServeConfig(Path(args.artifact), options, replicas=args.replicas,
                                     min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                                     target_ongoing_requests=args.target_ongoing_requests,
+                                    autoscaling_options=args.autoscaling_config,
                                     threads_per_replica=args.threads_per_replica,
                                     adapters_per_replica=args.adapters_per_replica))

@@ -123,6 +123,10 @@ def cluster(artifact, adapter_dirs, references, tmp_path_factory):
     Besides the 3 adapters, a declared one whose directory holds no adapter ("broken")."""
     broken = tmp_path_factory.mktemp("broken-adapter")
     (broken / "adapter_config.json").write_text("{}")
+    # requests in flight reach the autoscaler every 0.5 s rather than 10 s (the replicas inherit this)
+    pushes = {f"RAY_SERVE_{side}_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5" for side in ("HANDLE", "REPLICA")}
+    saved = {name: os.environ.get(name) for name in pushes}
+    os.environ.update(pushes)
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
              _metrics_export_port=free_port(), _system_config={"metrics_report_interval_ms": 1000})
     try:
@@ -137,6 +141,11 @@ def cluster(artifact, adapter_dirs, references, tmp_path_factory):
     finally:
         serve.shutdown()
         ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 async def stream_text(client, model: str, prompt: str, max_tokens: int) -> tuple[str, str]:
@@ -349,10 +358,11 @@ def test_app_builder_fixed_and_autoscaling(artifact, adapter_dirs):
     assert fixed.ray_actor_options["num_cpus"] == 2
     assert fixed.init_args[1].threads == 2 and fixed.init_args[3] == 4           # the artifact's 4 slots
     scaled = engine_deployment(app_builder({"artifact": str(artifact), "replicas": 2, "min_replicas": 1,
-                                            "max_replicas": 4, "target_ongoing_requests": 6}))
+                                            "max_replicas": 4, "target_ongoing_requests": 6,
+                                            "autoscaling_config": {"upscale_delay_s": 5}}))
     autoscaling = scaled._deployment_config.autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.initial_replicas,
-            autoscaling.target_ongoing_requests) == (1, 4, 2, 6)
+            autoscaling.target_ongoing_requests, autoscaling.upscale_delay_s) == (1, 4, 2, 6, 5)
     with pytest.raises(ValueError, match="bogus"):
         app_builder({"artifact": str(artifact), "replicas": 1, "bogus": 1})
 
@@ -367,3 +377,27 @@ def test_config_refuses_adapters_without_slots(tmp_path, adapter_dirs):
         RayServeConfig(no_slots, ServeOptions(adapters=dict(adapter_dirs))).check()
     with pytest.raises(InfengError, match="--min-replicas"):
         RayServeConfig(no_slots, replicas=5, min_replicas=1, max_replicas=2).check()
+
+
+def test_autoscaling_adds_a_replica_under_load(cluster, artifact):
+    """Last (it replaces the module's application): 1 replica, at most 2, target 2 requests in
+    flight per replica; 8 streams at once make Ray start the second replica."""
+    serve.delete(APP)
+    app = app_builder({"artifact": str(artifact), "replicas": 1, "min_replicas": 1, "max_replicas": 2,
+                       "target_ongoing_requests": 2, "max_seqs": 8, "host": "127.0.0.1",
+                       "autoscaling_config": {"upscale_delay_s": 0, "look_back_period_s": 2}})
+    within(STARTUP_S, lambda: serve.run(app, name=APP, route_prefix="/"))
+    loaded = threading.Event()
+
+    def load() -> None:                       # waves of 8 streams until the deployment has grown
+        while not loaded.is_set():
+            streams(cluster, [("stories260K", p, KILL_TOKENS) for p in PROMPTS[:8]])
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    try:
+        wait_for(lambda: _health(cluster, running=2), 120,
+                 lambda: str(serve.status().applications[APP].deployments[ENGINE_DEPLOYMENT]))
+    finally:
+        loaded.set()
+        worker.join(REQUEST_TIMEOUT_S)

@@ -24,9 +24,9 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence as Seq
 
 import numpy as np
 
@@ -34,13 +34,21 @@ from infeng_common.errors import InfengError
 
 #: Rate of the running acceptance estimate (per drafted position checked).
 ACCEPT_RATE_STEP = 0.15
-#: Prior acceptance of a drafter before a sequence has shown anything.
-PRIOR_ACCEPT = {"ngram": 0.5, "draft": 0.7}
 #: A draft must raise the expected tokens per second by this factor to be run.
 MIN_GAIN = 1.02
 NGRAM_ORDERS = (3, 2, 1)
 SHARED_ORDER = 3
 SHARED_TABLE_BOUND = 1 << 20
+#: Draft sources; each sequence keeps a running acceptance per source. Prompt lookup is split by
+#: how many tokens before the match agree with the sequence's last tokens, counted up to 8: the
+#: classes start at MATCH_CLASSES (1, 2-3, 4-7, 8 or more; a long match is a copy in progress,
+#: whose next tokens are far likelier to follow than a lone token's).
+SOURCE_TABLE = 0
+MATCH_CLASSES = (1, 2, 4, 8)
+SOURCE_DRAFT = 1 + len(MATCH_CLASSES)
+#: Prior (first draft, each later draft) acceptance of each source before a sequence has shown
+#: anything: table, match classes as above, draft model.
+SOURCE_PRIORS = ((0.3, 0.6), (0.3, 0.6), (0.6, 0.75), (0.75, 0.85), (0.9, 0.9), (0.7, 0.8))
 
 
 class SpeculativeError(InfengError):
@@ -130,11 +138,23 @@ def accept_sampled(p: np.ndarray, draft_token: int, rng: np.random.Generator) ->
 class SpecState:
     """What the speculator keeps for one sequence."""
 
-    __slots__ = ("accept", "index", "indexed", "probe", "drafted", "accepted", "steps", "dm_valid", "dm_pending",
-                 "order")
+    __slots__ = (
+        "accepted",
+        "dm_pending",
+        "dm_valid",
+        "drafted",
+        "first",
+        "follow",
+        "index",
+        "indexed",
+        "order",
+        "probe",
+        "steps",
+    )
 
-    def __init__(self, prior: float):
-        self.accept = [prior] * (len(NGRAM_ORDERS) + 2)    # running acceptance by source (see Speculator)
+    def __init__(self) -> None:
+        self.first = [p[0] for p in SOURCE_PRIORS]          # running P(first draft accepted) by source
+        self.follow = [p[1] for p in SOURCE_PRIORS]         # running P(draft j+1 accepted | draft j was)
         self.index: dict[tuple, int] = {}                   # n-gram -> position of the token after it
         self.indexed = 1                                    # positions [1, indexed) are in ``index``
         self.probe: tuple[int, int, int] | None = None      # (position, token, source) predicted, not run
@@ -146,11 +166,15 @@ class SpecState:
         self.order = 0                                      # source of the draft now in flight
 
     def learn(self, source: int, hits: int, checked: int) -> None:
-        """``checked`` drafted positions of ``source`` were verified, the first ``hits`` accepted."""
-        a = self.accept[source]
-        for i in range(checked):
-            a += ((1.0 if i < hits else 0.0) - a) * ACCEPT_RATE_STEP
-        self.accept[source] = a
+        """``checked`` drafted positions of ``source`` were verified, the first ``hits`` accepted: the
+        first position updates ``first``, each later one (reached only after a hit) ``follow``."""
+        if checked <= 0:
+            return
+        self.first[source] += ((1.0 if hits > 0 else 0.0) - self.first[source]) * ACCEPT_RATE_STEP
+        f = self.follow[source]
+        for i in range(1, checked):
+            f += ((1.0 if i < hits else 0.0) - f) * ACCEPT_RATE_STEP
+        self.follow[source] = f
 
 
 # -- drafters ---------------------------------------------------------------------------------
@@ -176,16 +200,18 @@ class NgramDrafter:
         st.indexed = max(st.indexed, len(tokens))
 
     def propose(self, tokens: list[int], st: SpecState, k: int) -> tuple[list[int], int]:
-        """Up to ``k`` drafted tokens after ``tokens`` and their source (0: shared table, 1 + i:
-        prompt lookup of order NGRAM_ORDERS[i])."""
+        """Up to ``k`` drafted tokens after ``tokens`` and their source (SOURCE_TABLE, or the
+        match-length class of the prompt lookup: 1 + i for a match of MATCH_CLASSES[i] tokens or more)."""
         self._index(tokens, st)
         L = len(tokens)
         index = st.index
-        for i, n in enumerate(NGRAM_ORDERS):
+        for n in NGRAM_ORDERS:
             if L > n:
                 j = index.get(tuple(tokens[L - n:]))
-                if j is not None and j < L:
-                    return tokens[j:j + k], 1 + i
+                if j is not None:
+                    w = MATCH_CLASSES[-1]
+                    match = sum(a == b for a, b in zip(tokens[max(j - w, 0):j][::-1], tokens[L - w:][::-1]))
+                    return tokens[j:j + k], sum(match >= c for c in MATCH_CLASSES)
         shared = self.shared
         draft: list[int] = []
         key = tuple(tokens[L - SHARED_ORDER:]) if L >= SHARED_ORDER else None
@@ -195,7 +221,7 @@ class NgramDrafter:
                 break
             draft.append(t)
             key = key[1:] + (t,)
-        return draft, 0
+        return draft, SOURCE_TABLE
 
 
 class DraftModelDrafter:
@@ -281,7 +307,7 @@ class CostModel:
         ts = sorted(seconds)
         self.ts = np.array(ts, dtype=np.float64)
         self.cost = np.maximum.accumulate(np.array([seconds[t] for t in ts], dtype=np.float64))
-        self._table = [self(t) for t in range(0, 257)]
+        self._table = [self(t) for t in range(257)]
 
     def __call__(self, tokens: float) -> float:
         ts, cost = self.ts, self.cost
@@ -294,38 +320,42 @@ class CostModel:
         return self._table[tokens] if tokens < len(self._table) else self(tokens)
 
     @classmethod
-    def measure(cls, engine, points: Seq[int] = MEASURED_T, repeats: int = 3) -> "CostModel":
+    def measure(cls, engine, points: Seq[int] = MEASURED_T, repeats: int = 3) -> CostModel:
         """Time ``engine``'s forward step for each T in ``points`` (a scratch sequence, logits on
-        every row, best of ``repeats``); the KV blocks it used go back to the pool."""
+        every row, best of ``repeats``); the KV blocks it used go back to the pool. The repeats
+        are rounds over all the points, so a burst of load elsewhere slows one round of every T
+        rather than every repeat of a few T (which the running maximum would carry to all larger T)."""
         kv = engine.kv
         points = [t for t in points if t <= min(engine.max_tokens, kv.max_context)]
         scratch = -1
         kv.ensure(scratch, max(points))
         try:
             slot = kv.slot_of[scratch]
-            seconds = {}
-            for t in points:
-                tokens = np.zeros(t, dtype=np.int32)
-                positions = np.arange(t, dtype=np.int32)
-                slots = np.full(t, slot, dtype=np.int32)
-                rows = np.arange(t, dtype=np.int32)
-                best = math.inf
-                for _ in range(repeats):
+            seconds = dict.fromkeys(points, math.inf)
+            for _ in range(repeats):
+                for t in points:
+                    tokens = np.zeros(t, dtype=np.int32)
+                    positions = np.arange(t, dtype=np.int32)
+                    slots = np.full(t, slot, dtype=np.int32)
+                    rows = np.arange(t, dtype=np.int32)
                     t0 = time.perf_counter()
                     engine.forward(tokens, positions, slots, rows)
-                    best = min(best, time.perf_counter() - t0)
-                seconds[t] = best
+                    seconds[t] = min(seconds[t], time.perf_counter() - t0)
         finally:
             kv.free(scratch)
         return cls(seconds)
 
 
 def choose_lengths(cost: CostModel, base_tokens: int, decodes: int, accept: Seq[float], caps: Seq[int],
-                   draft_cost: CostModel | None = None) -> list[int]:
+                   draft_cost: CostModel | None = None, follow: Seq[float] | None = None) -> list[int]:
     """Draft lengths that maximise expected tokens per second of the step: ``decodes`` tokens are
-    produced anyway from ``base_tokens`` rows; a sequence's j-th draft adds ``accept**j`` expected
-    tokens and one row. Drafts are handed out greedily by marginal gain; the best prefix wins."""
+    produced anyway from ``base_tokens`` rows; a sequence's first draft adds ``accept`` expected
+    tokens and its j-th ``accept * follow**(j-1)`` (``follow`` defaults to ``accept``), one row each.
+    Drafts are handed out greedily by marginal gain; a longer prefix is kept only if it beats the
+    best shorter one (or no drafting) by MIN_GAIN, which keeps an over-hopeful estimate from
+    stretching drafts for a sliver of expected gain."""
     n = len(caps)
+    follow = accept if follow is None else follow
     k = [0] * n
     heap = [(-accept[i], i) for i in range(n) if caps[i] > 0 and accept[i] > 0]
     heapq.heapify(heap)
@@ -333,22 +363,20 @@ def choose_lengths(cost: CostModel, base_tokens: int, decodes: int, accept: Seq[
     rounds = [0] * 33                             # draft steps of the draft model: sequences with k > r
     best_rate = expected / cost.at(rows)
     best: list[int] | None = None
-    added: list[int] = []
     while heap:
         gain, i = heapq.heappop(heap)
         expected -= gain
         rows += 1
         rounds[k[i]] += 1
         k[i] += 1
-        added.append(i)
         seconds = cost.at(rows)
         if draft_cost is not None:
             seconds += sum(draft_cost.at(c) for c in rounds if c)
         rate = expected / seconds
         if rate > best_rate * MIN_GAIN:
             best_rate, best = rate, list(k)
-        if k[i] < caps[i]:
-            heapq.heappush(heap, (gain * accept[i], i))
+        if k[i] < caps[i] and follow[i] > 0:
+            heapq.heappush(heap, (gain * follow[i], i))
     return best if best is not None else [0] * n
 
 
@@ -375,7 +403,6 @@ class Speculator:
             self.drafter = DraftModelDrafter(draft_engine, engine.vocab_size)
         else:
             self.drafter = NgramDrafter()
-        self.prior = PRIOR_ACCEPT[config.method]
         self.cost: CostModel | None = None
         self.draft_cost: CostModel | None = None
         if config.adaptive:
@@ -386,7 +413,7 @@ class Speculator:
         self.step_no = 0
 
     def state(self) -> SpecState:
-        return SpecState(self.prior)
+        return SpecState()
 
     def propose(self, seqs: list, caps: list[int], base_tokens: int, decodes: int) -> list[list[int]]:
         """Drafts for the decoding sequences ``seqs`` (each with a ``spec`` state), at most
@@ -406,7 +433,7 @@ class Speculator:
                     st.probe = None
                 if cap <= 0:
                     proposals.append([])
-                    sources.append(0)
+                    sources.append(SOURCE_TABLE)
                     continue
                 draft, source = self.drafter.propose(tokens, st, min(cap, max_draft))
                 proposals.append(draft)
@@ -414,8 +441,10 @@ class Speculator:
             if self.cost is None:
                 lengths = [len(d) for d in proposals]
             else:
-                accept = [seq.spec.accept[s] if d else 0.0 for seq, d, s in zip(seqs, proposals, sources)]
-                lengths = choose_lengths(self.cost, base_tokens, decodes, accept, [len(d) for d in proposals])
+                accept = [seq.spec.first[s] if d else 0.0 for seq, d, s in zip(seqs, proposals, sources)]
+                follow = [seq.spec.follow[s] for seq, s in zip(seqs, sources)]
+                lengths = choose_lengths(self.cost, base_tokens, decodes, accept, [len(d) for d in proposals],
+                                         follow=follow)
             out = []
             for seq, draft, source, k in zip(seqs, proposals, sources, lengths):
                 st = seq.spec
@@ -425,13 +454,14 @@ class Speculator:
                 out.append(draft[:k])
             return out
         # draft model: lengths first (drafting costs), then one batched draft
-        source = len(NGRAM_ORDERS) + 1
+        source = SOURCE_DRAFT
         if self.cost is None:
             lengths = [min(c, max_draft) for c in caps]
         else:
-            accept = [seq.spec.accept[source] for seq in seqs]
+            accept = [seq.spec.first[source] for seq in seqs]
+            follow = [seq.spec.follow[source] for seq in seqs]
             capped = [min(c, max_draft) for c in caps]
-            lengths = choose_lengths(self.cost, base_tokens, decodes, accept, capped, self.draft_cost)
+            lengths = choose_lengths(self.cost, base_tokens, decodes, accept, capped, self.draft_cost, follow)
             if not any(lengths) and self.step_no % 16 == 0:   # probe now and then: acceptance may have risen
                 lengths = [min(1, c) for c in capped]
         items = [(seq.seq_id, seq.tokens, seq.spec, k) for seq, k in zip(seqs, lengths) if k > 0]

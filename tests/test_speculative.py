@@ -15,6 +15,7 @@ import json
 import math
 import subprocess
 import threading
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -24,8 +25,9 @@ from _serving import STORIES, AloneReference, adapters, infeng_command, metric, 
 from infeng_runtime.kv_cache import BlockAllocator
 from infeng_runtime.sampling import SamplingParams, distribution
 from infeng_runtime.scheduler import NON_FINITE, Request, Scheduler
-from infeng_runtime.speculative import (CostModel, NgramDrafter, SpecState, SpeculativeConfig, SpeculativeError,
-                                        Speculator, accept_greedy, accept_sampled, choose_lengths, parse_speculative)
+from infeng_runtime.speculative import (MATCH_CLASSES, SOURCE_TABLE, CostModel, NgramDrafter, SpecState,
+                                        SpeculativeConfig, SpeculativeError, Speculator, accept_greedy, accept_sampled,
+                                        choose_lengths, parse_speculative)
 
 V = 6
 
@@ -152,15 +154,53 @@ def test_rejected_positions_are_never_published():
 # -- drafters, lengths, options -----------------------------------------------------------------
 def test_ngram_prompt_lookup_and_shared_table():
     d = NgramDrafter()
-    st = SpecState(0.5)
+    st = SpecState()
     tokens = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
     draft, source = d.propose(tokens, st, 4)
-    assert draft == [8, 9, 1, 2] and source == 1            # the 3-gram 5 6 7 seen before
-    draft, _ = d.propose(tokens + [8, 9], st, 8)            # incremental index; what there is
-    assert draft == [1, 2, 5, 6, 7, 8, 9]
-    other = SpecState(0.5)
+    assert draft == [8, 9, 1, 2] and source == 2            # the 3-gram 5 6 7 seen before: a match of 2-3
+    draft, source = d.propose(tokens + [8, 9], st, 8)       # incremental index; what there is
+    assert draft == [1, 2, 5, 6, 7, 8, 9] and source == 3   # 5 6 7 8 9 agree: 4-7 of the last 8
+    draft, source = d.propose([3, 1, 2, 4, 1, 2], SpecState(), 2)
+    assert draft == [4, 1] and source == 2                  # the most recent earlier 2-gram
+    other = SpecState()
     draft, source = d.propose([40, 41, 7, 8, 9], other, 3)  # not in its own tokens: the shared table
-    assert source == 0 and draft == [1, 2, 5]
+    assert source == SOURCE_TABLE and draft == [1, 2, 5]
+
+
+def test_acceptance_is_learned_for_the_first_and_the_later_drafts():
+    """The first draft of a step and the drafts after an accepted one have rates of their own: a
+    copy in progress is often wrong at its first token and then right for many."""
+    st = SpecState()
+    first, follow = st.first[1], st.follow[1]
+    st.learn(1, 0, 1)                                       # the first draft rejected: ``follow`` unseen
+    assert st.first[1] < first and st.follow[1] == follow
+    st.learn(1, 5, 6)                                       # 5 accepted, the 6th rejected
+    assert st.first[1] > first * 0.85 and st.follow[1] > follow
+    st.learn(1, 2, 2)                                       # all drafted accepted: no miss to count
+    assert st.follow[1] > follow
+
+
+def test_a_copy_in_progress_drafts_long():
+    """Replayed over a fixed output that copies the prompt with a few edits, greedy acceptance and a
+    step cost rising 20% a row: the copy runs are drafted at full length, and after a substituted
+    token the copy is picked up again at once (the version before this drafted 5.9 tokens a step
+    and 2.95 per unit of cost here)."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(100, 5000, 200).tolist()
+    output = prompt[20:80] + [7] + prompt[81:140] + [8, 9] + prompt[140:190]
+    spec = Speculator(SpeculativeConfig("ngram", max_draft=8, adaptive=False), engine=None)
+    spec.cost = cost = CostModel({t: 1 + 0.2 * (t - 1) for t in range(1, 17)})
+
+    seq = SimpleNamespace(tokens=prompt + output[:1], spec=spec.state())
+    done, steps, seconds = 1, 0, 0.0
+    while done < len(output):
+        draft = spec.propose([seq], [len(output) - done - 1], 1, 1)[0]
+        accepted = accept_greedy(output[done:done + len(draft) + 1], draft)
+        spec.verified(seq, len(draft), accepted)
+        seq.tokens += output[done:done + accepted + 1]
+        done, steps, seconds = done + accepted + 1, steps + 1, seconds + cost.at(1 + len(draft))
+    assert (len(output) - 1) / steps > 6.3 and (len(output) - 1) / seconds > 3.0
+    assert seq.spec.first[len(MATCH_CLASSES)] > 0.9       # the long-match source learned it is right
 
 
 def test_choose_lengths_follows_cost_and_acceptance():
@@ -170,6 +210,9 @@ def test_choose_lengths_follows_cost_and_acceptance():
     assert choose_lengths(flat, 1, 1, [0.0], [8]) == [0]
     assert choose_lengths(steep, 1, 1, [0.9], [8]) == [0]    # every row costs a whole step: never
     assert choose_lengths(flat, 40, 40, [0.9] * 40, [8] * 40) == [0] * 40   # a large batch is compute-bound
+    rising = CostModel({t: 1 + 0.2 * (t - 1) for t in range(1, 17)})
+    assert choose_lengths(rising, 1, 1, [0.3], [8]) == [1]   # each further draft as unlikely as the first
+    assert choose_lengths(rising, 1, 1, [0.3], [8], follow=[0.95]) == [3]   # once right, likely right on
 
 
 def test_parse_speculative(tmp_path):

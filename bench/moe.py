@@ -2,6 +2,7 @@
 
     python bench/moe.py --threads 2 --rounds 3                 # builds ~/.cache/infeng/bench/gpt-oss-20b-shape
     python bench/moe.py --tiny --rounds 1 --tg 16              # the scaled-down shape: checks the pipeline
+    python bench/moe.py --rounds 0                             # only build the files (checkpoint, GGUF, artifact)
 
 The checkpoint is ``infeng_models.gpt_oss_shape`` (random MXFP4 experts, bf16 elsewhere, written
 once under ``--workdir``: about 13 GB, and as much again for the GGUF it transcodes for llama.cpp).
@@ -193,7 +194,7 @@ def llama_run(gguf_path: Path, threads: int, pp: int, tg: int) -> dict[str, floa
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="0: build the checkpoint, GGUF and artifact only")
     p.add_argument("--pp", type=int, default=512, help="prompt tokens of the prefill measurement")
     p.add_argument("--tg", type=int, default=64, help="decode steps of the decode measurement")
     p.add_argument("--target", default="native")
@@ -226,6 +227,8 @@ def measure(args: argparse.Namespace) -> None:
     active = {"infeng": infeng_active_bytes(artifact, config), "llama.cpp": gguf_active_bytes(gguf_path, config)}
     emit(bench="env", host=platform.node(), cpu=platform.processor() or platform.machine(), threads=args.threads,
          active_mib={k: round(v / 2**20, 1) for k, v in active.items()}, model=str(model))
+    if args.rounds == 0:            # the files are ready; measure later
+        return
     bandwidth = measure_bandwidth(args.threads)
     emit(bench="bandwidth", threads=args.threads, gb_s=round(bandwidth, 2))
     samples: dict[str, list[dict]] = {"infeng": [], "llama.cpp": []}

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -68,6 +69,14 @@ def references(artifact, adapter_dirs, tmp_path_factory) -> dict[tuple[str, str,
             chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=STREAM_TOKENS, temperature=0)
             out[(model, "chat", STREAM_TOKENS)] = chat.choices[0].message.content
     return out
+
+
+def test_replicas_import_no_compiler_module():
+    """What a replica imports (this module, ray, the server) loads nothing of the compiler."""
+    script = "import sys, json\nimport infeng_runtime.ray_serve\nprint(json.dumps(sorted(sys.modules)))\n"
+    out = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert not [m for m in json.loads(out.stdout) if m.split(".")[0] in ("infeng_compiler", "infeng_templates")]
 
 
 def test_cli_refuses_bad_input_in_one_line(artifact):

@@ -1,12 +1,13 @@
 """Speculative decoding at batch 1 on a real model (BENCHMARKS.md, "Speculative decoding protocol").
 
     python bench/speculative.py --threads 2                                  # SmolLM2-135M-Instruct, int4
-    python bench/speculative.py --threads 2 --quant none --draft-quant int4  # f32 target, int4 draft
+    python bench/speculative.py --threads 2 --quant f16 --draft-quant int4   # f16 target, int4 draft
     python bench/speculative.py --artifact x.infeng --modes plain,ngram
+    python bench/speculative.py --replay 0.1,0.2                             # deterministic, no timing
 
 The model is SmolLM2-135M-Instruct from the package registry (``infeng_models.registry``), compiled
-from its GGUF (``--quant``: the target's weights; ``none`` keeps the GGUF's values in f32). Prompts,
-chat-rendered, greedy:
+from its GGUF (``--quant``: the target's weights, int4/int8/fp8, or f32/f16/bf16 for the GGUF's
+values widened; ``none`` is f32). Prompts, chat-rendered, greedy:
 
 - input-grounded: rewrite, extract from and summarise a 512-token wikitext passage given in the
   prompt; edit a given code file (rename a function, return the whole file);
@@ -18,9 +19,22 @@ the modes alternate ``--rounds`` times and each keeps its best decode speed. Eve
 the plain run's tokens (greedy speculation is exact); a mismatch is reported as ``"same": false``.
 One JSON line per prompt and mode: decode tok/s (tokens after the first / time from the first to
 the last), the speedup over plain, acceptance (accepted / drafted tokens), tokens per target step.
-With llama.cpp built (``../shared/tools/build-llamacpp.sh``), ``llama-bench -n`` plain decode of the
-same GGUF in the same run (``peer_tok_s``; ``vs_peer``: infeng's tok/s over it), and ``llama-lookup``
-where the built version has it.
+
+With llama.cpp built (``../shared/tools/build-llamacpp.sh``), in the same run and on the same
+weights (the registry's Q4_1 GGUF for an int4 target; for f32/f16/bf16/int8 targets that GGUF
+widened by ``llama-quantize --allow-requantize`` to F32/F16/F16/Q8_0), the same threads: its plain
+decode of as many tokens at the prompt's depth (``llama-bench -p 0 -n N -d PROMPT``), its
+prompt-lookup decoding (``llama-lookup``, its defaults) of the same prompt and, with a draft,
+``llama-speculative-simple --spec-type draft-simple`` with the Q4_1 GGUF drafting. A ``summary``
+line per prompt gives every ratio of that run.
+
+``--replay SLOPES`` measures no time: it decodes each prompt once without speculation, then replays
+the n-gram speculator (``runtime/speculative.py``, the same code) over those tokens with a step
+cost of ``1 + slope * (T - 1)`` (T: token rows; ``measured``: the target's own curve). Greedy
+speculation emits the plain tokens, so the replay gives the exact steps, drafts and acceptance of a
+real run, and the modelled speedup (plain steps / cost of the speculative steps); ``bound`` is the
+same drafter with each step's length known in hindsight (its accepted count), an upper bound for any
+length rule.
 """
 from __future__ import annotations
 
@@ -77,40 +91,68 @@ def prompts(tokenizer) -> dict[str, tuple[str, str]]:
         "rewrite": ("grounded", f"Rewrite the following text, correcting any typos. Output the full text.\n\n{text}"),
         "extract": ("grounded", f"Copy every sentence of the following text that mentions a year.\n\n{text}"),
         "summarise": ("grounded", f"Summarise the following text.\n\n{text}"),
-        "code": ("grounded", "Rename the function `sample` to `draw` in this Python file and return the whole "
-                             f"file.\n\n```python\n{CODE_FILE}```"),
+        "code": ("grounded", ("Rename the function `sample` to `draw` in this Python file and return the whole "
+                             f"file.\n\n```python\n{CODE_FILE}```")),
         "story": ("free", "Write a story about a dragon who learns to bake bread."),
     }
 
 
-def compile_gguf(gguf: Path, out: Path, quant: str | None) -> Path:
-    """``quant`` None: every weight widened to f32 (``--dtype f32``), the GGUF's values."""
-    if not (out / "manifest.json").exists():
-        cmd = ["infeng", "compile", str(gguf), "-o", str(out)] + (["--quant", quant] if quant else ["--dtype", "f32"])
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+WIDEN = {"f32": "f32", "none": "f32", "f16": "f16", "bf16": "bf16"}
+#: llama.cpp's type for the same weights as an infeng target (None: the registry's Q4_1 file as is).
+PEER_TYPE = {"int4": None, "int8": "Q8_0", "f32": "F32", "none": "F32", "f16": "F16", "bf16": "F16"}
+
+
+def compile_gguf(gguf: Path, out: Path, quant: str, recompile: bool) -> Path:
+    """``quant``: int4/int8/fp8 (``--quant``) or f32/f16/bf16 (``--dtype``: the GGUF's values widened)."""
+    if recompile or not (out / "manifest.json").exists():
+        flags = ["--dtype", WIDEN[quant]] if quant in WIDEN else ["--quant", quant]
+        done = subprocess.run(["infeng", "compile", str(gguf), "-o", str(out), *flags], check=False,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"infeng compile {gguf} ({quant}) failed:\n{done.stderr.strip()}")
     return out
 
 
-def peer_decode(gguf: Path, threads: int, n: int = 128) -> float | None:
-    bench = PEER / "build" / "bin" / "llama-bench"
-    if not bench.exists():
+def peer_exe(name: str) -> Path | None:
+    exe = PEER / "build" / "bin" / name
+    return exe if exe.exists() else None
+
+
+def peer_gguf(gguf: Path, quant: str, workdir: Path) -> Path | None:
+    """llama.cpp's file with the same weights as the infeng target (None: no such type)."""
+    if quant not in PEER_TYPE:
         return None
-    out = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(n), "-r", "2",
-                          "-o", "json"], capture_output=True, text=True)
+    kind = PEER_TYPE[quant]
+    if kind is None:
+        return gguf
+    out = workdir / f"{gguf.stem}.{kind}.gguf"
+    exe = peer_exe("llama-quantize")
+    if not out.exists() and exe is not None:
+        subprocess.run([str(exe), "--allow-requantize", str(gguf), str(out), kind], check=True, capture_output=True)
+    return out if out.exists() else None
+
+
+def peer_decode(gguf: Path, threads: int, n: int, depth: int) -> float | None:
+    """llama.cpp's plain decode tok/s: ``n`` tokens after ``depth`` tokens of context."""
+    exe = peer_exe("llama-bench")
+    if exe is None:
+        return None
+    out = subprocess.run([str(exe), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(n), "-d", str(depth),
+                          "-r", "3", "-o", "json"], check=False, capture_output=True, text=True)
     if out.returncode != 0:
         return None
     rows = json.loads(out.stdout)
     return float(rows[0]["avg_ts"]) if rows else None
 
 
-def peer_lookup(gguf: Path, prompt: str, threads: int, n: int) -> dict | None:
-    """llama.cpp's prompt-lookup decoding (``llama-lookup``) of the same prompt, if built."""
-    exe = PEER / "build" / "bin" / "llama-lookup"
-    if not exe.exists():
+def peer_speculative(exe_name: str, args: list[str], prompt: str, threads: int, n: int) -> dict | None:
+    """A llama.cpp speculative example on ``prompt`` (greedy): its decode tok/s and acceptance."""
+    exe = peer_exe(exe_name)
+    if exe is None:
         return None
     try:
-        out = subprocess.run([str(exe), "-m", str(gguf), "-t", str(threads), "-n", str(n), "--temp", "0",
-                              "-p", prompt], capture_output=True, text=True, timeout=300)
+        out = subprocess.run([str(exe), *args, "-t", str(threads), "-n", str(n), "--temp", "0", "-p", prompt],
+                             check=False, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
         return None
     log = out.stdout + out.stderr
@@ -118,26 +160,57 @@ def peer_lookup(gguf: Path, prompt: str, threads: int, n: int) -> dict | None:
     acc = re.search(r"accept\s*=\s*([\d.]+)%", log)
     if not m:
         return None
-    return {"tok_s": float(m.group(3)), "accept": float(acc.group(1)) / 100 if acc else None}
+    return {"tok_s": float(m.group(3)), "acceptance": round(float(acc.group(1)) / 100, 3) if acc else None}
+
+
+def replay(prompt: list[int], output: list[int], cost, max_draft: int, hindsight: bool = False) -> dict:
+    """The n-gram speculator replayed over a greedy output (see the module docstring). ``hindsight``:
+    the drafter drafts all it has (up to ``max_draft``) and each step is costed as if it had run
+    only the drafts that were accepted."""
+    from types import SimpleNamespace
+
+    from infeng_runtime.speculative import SpeculativeConfig, Speculator, accept_greedy
+
+    config = SpeculativeConfig("ngram", max_draft=max_draft, adaptive=not hindsight)
+    spec = Speculator(config, engine=None, cost=None if hindsight else cost)
+    seq = SimpleNamespace(seq_id=0, tokens=list(prompt) + output[:1], spec=spec.state())
+    done, steps, seconds, drafted, accepted = 1, 0, 0.0, 0, 0
+    while done < len(output):
+        draft = spec.propose([seq], [len(output) - done - 1], 1, 1)[0]
+        a = accept_greedy(output[done:done + len(draft) + 1], draft)
+        spec.verified(seq, len(draft), a)
+        seq.tokens += output[done:done + a + 1]
+        done, steps = done + a + 1, steps + 1
+        seconds += cost.at(1 + (a if hindsight else len(draft)))
+        drafted, accepted = drafted + len(draft), accepted + a
+    return {"steps": steps, "tokens_per_step": round((len(output) - 1) / max(steps, 1), 2),
+            "drafted_per_step": round(drafted / max(steps, 1), 2),
+            "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "modelled_speedup": round(cost.at(1) * (len(output) - 1) / seconds, 3) if seconds else 1.0}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifact", type=Path, help="a compiled target (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--quant", default="int4", help="the target's weights: int4, int8 or none (f32)")
+    ap.add_argument("--quant", default="int4", help="the target's weights: int4, int8, fp8, f32, f16 or bf16")
     ap.add_argument("--draft-quant", default=None, help="also run a draft model: the GGUF with this quant")
     ap.add_argument("--modes", default="plain,ngram,draft")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-draft", type=int, default=8, help="the most drafted tokens per step (ngram:K)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", default="rewrite,extract,summarise,code,story")
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "infeng" / "bench-speculative")
+    ap.add_argument("--recompile", action="store_true", help="compile the artifacts even if the workdir has them")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--replay", default=None,
+                    help="no timing: replay the n-gram speculator with these step-cost slopes (or 'measured')")
     args = ap.parse_args()
 
     from infeng_runtime.chat import render_chat
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
+    from infeng_runtime.speculative import MEASURED_T, CostModel
 
     gguf = None
     if args.artifact is None:
@@ -145,23 +218,47 @@ def main() -> None:
 
         gguf = fetch(SMOLLM2_135M_INSTRUCT)
         args.workdir.mkdir(parents=True, exist_ok=True)
-        quant = None if args.quant == "none" else args.quant
-        args.artifact = compile_gguf(gguf, args.workdir / f"smollm2-{args.quant}.infeng", quant)
+        args.artifact = compile_gguf(gguf, args.workdir / f"smollm2-{args.quant}.infeng", args.quant, args.recompile)
+    params = SamplingParams(max_new_tokens=args.max_tokens)
+
+    def chat_ids(tok, message: str) -> tuple[str, list[int]]:
+        text = render_chat(tok, [{"role": "user", "content": message}], add_generation_prompt=True)
+        return text, tok.encode(text, add_bos=False)
+
+    if args.replay:
+        llm = LLM(args.artifact, threads=args.threads, max_seqs=1)
+        if args.replay == "measured":
+            measured = CostModel.measure(llm.engine)
+            costs = {"measured": CostModel({t: measured.at(t) / measured.at(1) for t in MEASURED_T})}
+        else:
+            costs = {f"slope {x}": CostModel({t: 1 + float(x) * (t - 1) for t in MEASURED_T})
+                     for x in args.replay.split(",")}
+        tok = llm.tokenizer
+        for name, (kind, message) in prompts(tok).items():
+            if name not in args.prompts.split(","):
+                continue
+            ids = chat_ids(tok, message)[1]
+            output = llm.generate([ids], params)[0].token_ids
+            for label, cost in costs.items():
+                emit(prompt=name, kind=kind, mode="replay", cost=label, tokens=len(output),
+                     **replay(ids, output, cost, args.max_draft),
+                     bound=replay(ids, output, cost, args.max_draft, hindsight=True)["modelled_speedup"])
+        llm.close()
+        return
+
     modes = [m for m in args.modes.split(",") if m != "draft" or args.draft_quant]
     draft = None
     if "draft" in modes:
         if gguf is None:
             raise SystemExit("--draft-quant needs the registry model (no --artifact)")
-        draft = compile_gguf(gguf, args.workdir / f"smollm2-{args.draft_quant}.infeng", args.draft_quant)
-    specs = {"plain": None, "ngram": "ngram", "draft": f"draft:{draft}"}
+        draft = compile_gguf(gguf, args.workdir / f"smollm2-{args.draft_quant}.infeng", args.draft_quant, args.recompile)
+    specs = {"plain": None, "ngram": f"ngram:{args.max_draft}", "draft": f"draft:{draft}:{args.max_draft}"}
     llms = {m: LLM(args.artifact, threads=args.threads, max_seqs=1, speculative=specs[m]) for m in modes}
     tok = llms[modes[0]].tokenizer
     chosen = {k: v for k, v in prompts(tok).items() if k in args.prompts.split(",")}
-    peer = None if args.no_peer or gguf is None else peer_decode(gguf, args.threads)
-    params = SamplingParams(max_new_tokens=args.max_tokens)
+    peer = None if args.no_peer or gguf is None else peer_gguf(gguf, args.quant, args.workdir)
     for name, (kind, message) in chosen.items():
-        ids = tok.encode(render_chat(tok, [{"role": "user", "content": message}], add_generation_prompt=True),
-                         add_bos=False)
+        text, ids = chat_ids(tok, message)
         best: dict[str, dict] = {}
         for _ in range(args.rounds):
             for mode in modes:
@@ -176,6 +273,7 @@ def main() -> None:
                 if mode not in best or r["tok_s"] > best[mode]["tok_s"]:
                     best[mode] = r
         plain = best.get("plain")
+        summary = {"prompt": name, "kind": kind, "mode": "summary", "threads": args.threads}
         for mode in modes:
             r = best[mode]
             n = len(r["tokens"])
@@ -189,15 +287,24 @@ def main() -> None:
                 row["drafted"] = r["drafted"]
                 # the prefill step yields the first token; the rest come from decode steps
                 row["tokens_per_step"] = round((n - 1) / max(r["steps"] - 1, 1), 2)
-            if peer:
-                row["peer_tok_s"] = round(peer, 1)
-                row["vs_peer"] = round(r["tok_s"] / peer, 3)
+                summary[f"{mode}_vs_plain"] = row.get("speedup")
             emit(**row)
-        if not args.no_peer and gguf is not None:
-            text = render_chat(tok, [{"role": "user", "content": message}], add_generation_prompt=True)
-            look = peer_lookup(gguf, text, args.threads, args.max_tokens)
-            if look:
-                emit(prompt=name, kind=kind, mode="llama-lookup", tok_s=look["tok_s"], acceptance=look["accept"])
+            summary[f"{mode}_tok_s"] = row["tok_s"]
+        if peer is not None:
+            n = args.max_tokens
+            runs = {"llama_plain": {"tok_s": peer_decode(peer, args.threads, n, len(ids))},
+                    "llama_lookup": peer_speculative("llama-lookup", ["-m", str(peer)], text, args.threads, n)}
+            if draft is not None:
+                runs["llama_draft"] = peer_speculative("llama-speculative-simple", [
+                    "-m", str(peer), "-md", str(gguf), "--spec-type", "draft-simple"], text, args.threads, n)
+            for peer_mode, r in runs.items():
+                if r and r.get("tok_s"):
+                    emit(prompt=name, kind=kind, mode=peer_mode, threads=args.threads, gguf=peer.name, **r)
+                    for mode in modes:
+                        summary[f"{mode}_vs_{peer_mode}"] = round(summary[f"{mode}_tok_s"] / r["tok_s"], 3)
+        emit(**summary)
+    for llm in llms.values():
+        llm.close()
 
 
 if __name__ == "__main__":

@@ -392,7 +392,9 @@ class SpecStats:
 class Speculator:
     """Drafter, cost curves and acceptance bookkeeping of one engine loop."""
 
-    def __init__(self, config: SpeculativeConfig, engine, draft_engine=None):
+    def __init__(self, config: SpeculativeConfig, engine, draft_engine=None, cost: CostModel | None = None):
+        """``cost``: the target's step-cost curve to use instead of measuring it (an n-gram replay
+        of recorded outputs, bench/speculative.py ``--replay``); ``engine`` may then be None."""
         self.config = config
         if config.method == "draft":
             if draft_engine is None:
@@ -403,9 +405,9 @@ class Speculator:
             self.drafter = DraftModelDrafter(draft_engine, engine.vocab_size)
         else:
             self.drafter = NgramDrafter()
-        self.cost: CostModel | None = None
+        self.cost: CostModel | None = cost
         self.draft_cost: CostModel | None = None
-        if config.adaptive:
+        if config.adaptive and cost is None:
             self.cost = CostModel.measure(engine)
             if config.method == "draft":
                 self.draft_cost = CostModel.measure(self.drafter.engine, points=(1, 2, 4, 8, 16))

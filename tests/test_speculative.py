@@ -188,8 +188,8 @@ def test_a_copy_in_progress_drafts_long():
     rng = np.random.default_rng(3)
     prompt = rng.integers(100, 5000, 200).tolist()
     output = prompt[20:80] + [7] + prompt[81:140] + [8, 9] + prompt[140:190]
-    spec = Speculator(SpeculativeConfig("ngram", max_draft=8, adaptive=False), engine=None)
-    spec.cost = cost = CostModel({t: 1 + 0.2 * (t - 1) for t in range(1, 17)})
+    cost = CostModel({t: 1 + 0.2 * (t - 1) for t in range(1, 17)})
+    spec = Speculator(SpeculativeConfig("ngram", max_draft=8), engine=None, cost=cost)
 
     seq = SimpleNamespace(tokens=prompt + output[:1], spec=spec.state())
     done, steps, seconds = 1, 0, 0.0

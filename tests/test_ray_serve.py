@@ -136,7 +136,7 @@ def cluster(artifact, adapter_dirs, references, tmp_path_factory):
     pushes = {f"RAY_SERVE_{side}_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5" for side in ("HANDLE", "REPLICA")}
     saved = {name: os.environ.get(name) for name in pushes}
     os.environ.update(pushes)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
              _metrics_export_port=free_port(), _system_config={"metrics_report_interval_ms": 1000})
     try:
         port = free_port()

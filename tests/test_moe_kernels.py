@@ -1,5 +1,5 @@
-"""The mixture-of-experts kernels (router, experts, head_rms_norm, sigmoid_gate), for every ISA this
-host runs, against the numpy references of the op registry (``ir/moe_ops.py``).
+"""The mixture-of-experts kernels (router, experts, head_rms_norm, sigmoid_gate, attention_sinks), for
+every ISA this host runs, against the numpy references of the op registry (``ir/moe_ops.py``).
 
 The experts driver calls the target's linear kernels, so each ISA exercises its own; weights in
 f16/bf16 are compared with the reference fed the same rounded weights (f32 tolerance: only the
@@ -16,12 +16,14 @@ import pytest
 
 from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
-from infeng_compiler.codegen.moe_kernels import expert_linears
+from infeng_compiler.codegen.moe_kernels import expert_linears, quantized_row_floats
 from infeng_compiler.codegen.target import TARGETS, host_features
 from infeng_compiler.interp import KVStore, Step
 from infeng_compiler.ir.moe_ops import route
 from infeng_compiler.ir.ops import REGISTRY
 from infeng_compiler.ir.types import bf16_to_f32, f32_to_bf16
+from infeng_compiler.quant.formats import get_format, is_quantized
+from infeng_compiler.quant.search import quantize
 
 HOST = host_features()
 RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(HOST)]
@@ -39,7 +41,14 @@ EXPERT_CASES = [
 WDTYPES = ["f32", "f16", "bf16"]
 #: (case, weight dtype) pairs: every dtype and every case, not every product (kernel builds are slow)
 EXPERT_GRID = [(EXPERT_CASES[0], "f32"), (EXPERT_CASES[0], "f16"), (EXPERT_CASES[0], "bf16"),
-               (EXPERT_CASES[1], "f32"), (EXPERT_CASES[1], "bf16"), (EXPERT_CASES[2], "f16")]
+               (EXPERT_CASES[1], "f32"), (EXPERT_CASES[1], "bf16"), (EXPERT_CASES[2], "f16"),
+               (EXPERT_CASES[0], "q4g32"), (EXPERT_CASES[2], "q8r"), (EXPERT_CASES[2], "f8e4m3")]
+#: integer formats: the reference rounds the rows each matrix reads as the driver's quantize_act does
+#: (act_quant), so only the integer kernels' accumulation order differs
+ACT_QUANT = {"q4g32": [8, 32], "q8r": [16, 0]}
+#: ... except where a row's float value sits on a rounding boundary of its integer code (the kernel's
+#: f32 sums against the reference's): one code step, as tests/test_quant_compiled.py bounds it
+QUANT_TOL = {"q4g32": 1e-2, "q8r": 1e-3}
 ROUTER_CASES = [(4, 2, "softmax", True), (8, 3, "softmax", False), (5, 2, "topk_softmax", False), (32, 4, "softmax", True)]
 SWIGLU = {"alpha": 1.702, "limit": 7.0}
 SINK_CASES = [(4, 2, 16, 16, 0), (6, 2, 24, 8, 5), (2, 1, 64, 4, 3)]   # (heads, KV heads, head_dim, block, window)
@@ -66,9 +75,9 @@ def experts_spec(isa: str, case: tuple, wdtype: str, bdtype: str) -> KernelSpec:
 def grid_specs(isa: str) -> list[KernelSpec]:
     specs = []
     for case, wdtype in EXPERT_GRID:
-        spec = experts_spec(isa, case, wdtype, wdtype if case[-1] else "none")
+        spec = experts_spec(isa, case, wdtype, bias_dtype(case, wdtype))
         called = expert_linears(dict(spec.params))
-        specs += [spec, called["gate_up"], called["down"]]
+        specs += [spec] + [s for s in called.values() if isinstance(s, KernelSpec)]
     for E, k, scoring, renorm in ROUTER_CASES:
         specs.append(KernelSpec.make("router", isa, E=E, top_k=k, scoring=scoring, renormalize=renorm))
     specs.append(KernelSpec.make("head_rms_norm", isa, H=96, head_dim=24, eps=1e-6))
@@ -109,8 +118,17 @@ def klib(request) -> KernelLib:
     return kernel_lib(request.param)
 
 
+def bias_dtype(case: tuple, wdtype: str) -> str:
+    """Biases in the weights' float format (f32 next to quantized weights); "none" without biases."""
+    return ("f32" if is_quantized(wdtype) else wdtype) if case[-1] else "none"
+
+
 def stored_and_f32(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """``x`` in storage ``dtype`` (bf16 as uint16 bits) and the float32 values it holds."""
+    """``x`` in storage ``dtype`` (bf16 as uint16 bits; a quantized format packed expert by expert as
+    one [E*N, K] matrix) and the float32 values it holds."""
+    if is_quantized(dtype):
+        q = quantize(x.reshape(-1, x.shape[-1]), get_format(dtype))
+        return q.pack(), q.dequantize().reshape(x.shape)
     if dtype == "f16":
         s = x.astype(np.float16)
         return s, s.astype(np.float32)
@@ -134,26 +152,31 @@ def random_routes(rng: np.random.Generator, T: int, E: int, k: int) -> tuple[np.
                          ids=[f"e{c[0]}h{c[1]}i{c[2]}k{c[3]}{c[4]}-{w}" for c, w in EXPERT_GRID])
 def test_experts(klib: KernelLib, case: tuple, wdtype: str) -> None:
     E, H, I, k, activation, layout, biases = case
-    bdtype = wdtype if biases else "none"
+    bdtype = bias_dtype(case, wdtype)
     spec = experts_spec(klib.isa, case, wdtype, bdtype)
-    gate_up_spec = expert_linears(dict(spec.params))["gate_up"]
-    tol = BF16_DOT_TOL if template_isa(gate_up_spec) == "avx512-bf16" else F32_TOL
+    called = expert_linears(dict(spec.params))
+    gate_up_spec = called["gate_up"]
+    tol = BF16_DOT_TOL if template_isa(gate_up_spec) == "avx512-bf16" else QUANT_TOL.get(wdtype, F32_TOL)
     rng = np.random.default_rng(E * H + I)
     gu, gu32 = stored_and_f32(rng.standard_normal((E, 2 * I, H), dtype=np.float32) * 0.3, wdtype)
     dn, dn32 = stored_and_f32(rng.standard_normal((E, H, I), dtype=np.float32) * 0.3, wdtype)
     bias_pair = [stored_and_f32(rng.standard_normal(shape, dtype=np.float32), bdtype) for shape in ((E, 2 * I), (E, H))] \
         if biases else [(None, None), (None, None)]
     attrs = {"activation": activation, "gate_up": layout, **(SWIGLU if activation == "swiglu_clamp" else {})}
+    if wdtype in ACT_QUANT:
+        attrs["act_quant"] = ACT_QUANT[wdtype]
+    row_floats = {name: quantized_row_floats(called[f"quant_{name}"], width) for name, width in (("x", H), ("act", I))}
     for T in TOKENS:
         x = rng.standard_normal((T, H), dtype=np.float32) * 2.0
         rw, ids = random_routes(rng, T, E, k)
         work = {name: np.zeros(T * width, dtype=np.float32) for name, width in
-                (("pairs", k), ("xg", H), ("h", 2 * I), ("act", I), ("y", H))}
+                (("pairs", k), ("xg", H), ("h", 2 * I), ("act", I), ("y", H),
+                 ("xq", row_floats["x"]), ("actq", row_floats["act"])) if width}
         out = np.full((T, H), np.nan, dtype=np.float32)
         klib.fn(spec)(klib.pool, klib.ptr(x, "float *"), T, klib.ptr(rw, "float *"), klib.ptr(ids, "int32_t *"),
                       klib.ptr(gu), klib.ptr(dn), klib.ptr(bias_pair[0][0]), klib.ptr(bias_pair[1][0]),
-                      klib.ptr(work["pairs"], "int32_t *"), klib.ptr(work["xg"], "float *"), klib.ffi.NULL,
-                      klib.ptr(work["h"], "float *"), klib.ptr(work["act"], "float *"), klib.ffi.NULL,
+                      klib.ptr(work["pairs"], "int32_t *"), klib.ptr(work["xg"], "float *"), klib.ptr(work.get("xq")),
+                      klib.ptr(work["h"], "float *"), klib.ptr(work["act"], "float *"), klib.ptr(work.get("actq")),
                       klib.ptr(work["y"], "float *"), klib.ptr(out, "float *"))
         ws = [gu32, dn32] + ([bias_pair[0][1], bias_pair[1][1]] if biases else [])
         ref = REGISTRY["experts"].reference([x, rw, ids], ws, attrs, None)[0]

@@ -89,13 +89,18 @@ def quantized_row_floats(spec: KernelSpec | None, K: int) -> int:
     return 0 if spec is None else act_row_layout(K, spec["bits"])["row_bytes"] // 4
 
 
+#: Rows of one expert from which the driver's row-wise phases (gather, activation, scatter-add) run
+#: over the pool: below, a dispatch (a few microseconds) costs more than the rows.
+_PARALLEL_ROWS = 16
+
+
 def _plan_experts(p: dict[str, Any], isa: str) -> dict[str, Any]:
     kernels = expert_linears(p)
     called = [s for s in (kernels["gate_up"], kernels["down"], kernels["quant_x"], kernels["quant_act"]) if s]
     return {"linears": kernels, "called_prototypes": [kernel_prototype(s) for s in dict.fromkeys(called)],
             "x_row_floats": quantized_row_floats(kernels["quant_x"], p["H"]),
             "act_row_floats": quantized_row_floats(kernels["quant_act"], p["I"]),
-            "B": WEIGHT_CTYPES.get(p["bdtype"], "float")}
+            "B": WEIGHT_CTYPES.get(p["bdtype"], "float"), "parallel_rows": _PARALLEL_ROWS}
 
 
 OPS.update({

@@ -626,6 +626,9 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                           None, "--adapters-per-replica",
                           help="adapters resident per replica, least recently used evicted (default: the "
                                "artifact's slots)"),
+                      router_replicas: int = typer.Option(1, "--router-replicas",
+                                                          help="replicas of the router (the HTTP ingress; e.g. "
+                                                               "one per node)"),
                       host: str = typer.Option("127.0.0.1", "--host", help="bind address of Ray's HTTP proxy"),
                       port: int = typer.Option(8000, "--port"),
                       max_seqs: int = typer.Option(16, "--max-seqs", help="sequences batched per replica"),
@@ -689,7 +692,8 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                            speculative=parse_speculative(speculative), log_level=log_level, log_format=log_format)
     config = RayServeConfig(artifact, options, replicas=replicas, min_replicas=min_replicas,
                             max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
-                            threads_per_replica=threads_per_replica, adapters_per_replica=adapters_per_replica)
+                            threads_per_replica=threads_per_replica, adapters_per_replica=adapters_per_replica,
+                            router_replicas=router_replicas)
     config.check()
     deploy(config, address=address)
 

@@ -83,6 +83,7 @@ class RayServeConfig:
     autoscaling_options: dict[str, Any] = field(default_factory=dict)   # more of Ray's autoscaling_config
     threads_per_replica: int = 1                     # the replica's num_cpus, and its engine's threads
     adapters_per_replica: int | None = None          # resident adapters per replica (default: the artifact's slots)
+    router_replicas: int = 1                         # e.g. one per node: Ray's proxies prefer a router on their node
     app_name: str = "infeng"
 
     def check(self) -> None:
@@ -90,7 +91,8 @@ class RayServeConfig:
         self.options.check()
         for flag, value in (("--replicas", self.replicas), ("--threads-per-replica", self.threads_per_replica),
                             ("--min-replicas", self.min_replicas), ("--max-replicas", self.max_replicas),
-                            ("--adapters-per-replica", self.adapters_per_replica)):
+                            ("--adapters-per-replica", self.adapters_per_replica),
+                            ("--router-replicas", self.router_replicas)):
             if value is not None and value < (0 if flag == "--min-replicas" else 1):
                 raise InfengError(f"{flag} {value}: must be at least {0 if flag == '--min-replicas' else 1}")
         if (self.min_replicas is None) != (self.max_replicas is None):
@@ -566,7 +568,8 @@ def build_app(config: RayServeConfig):
         str(config.artifact), replace(options, adapters={}, threads=config.threads_per_replica),
         {k: str(v) for k, v in options.adapters.items()}, per_replica)
     router = serve.deployment(serve.ingress()(InfengRouter)).options(
-        name=ROUTER_DEPLOYMENT, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+        name=ROUTER_DEPLOYMENT, num_replicas=config.router_replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=10_000)
     return router.bind(engine, config.model_name(), list(options.adapters), replace(options, adapters={}))
 
 
@@ -648,6 +651,7 @@ class RayAppArgs(BaseModel):
     threads_per_replica: int = Field(1, ge=1)
     adapters: dict[str, str] = Field(default_factory=dict)   # name -> PEFT directory
     adapters_per_replica: int | None = Field(None, ge=1)
+    router_replicas: int = Field(1, ge=1)
     max_seqs: int = Field(16, ge=1)
     max_context: int | None = Field(None, ge=1)
     max_queue: int = Field(256, ge=1)
@@ -669,4 +673,5 @@ def app_builder(args: RayAppArgs | dict[str, Any]):
                                     target_ongoing_requests=args.target_ongoing_requests,
                                     autoscaling_options=args.autoscaling_config,
                                     threads_per_replica=args.threads_per_replica,
-                                    adapters_per_replica=args.adapters_per_replica))
+                                    adapters_per_replica=args.adapters_per_replica,
+                                    router_replicas=args.router_replicas))

@@ -352,6 +352,10 @@ def wait_for(condition, timeout_s: float, describe) -> None:
         time.sleep(0.5)
 
 
+def router_deployment(app):
+    return app._bound_deployment
+
+
 def engine_deployment(app):
     """The engine deployment an application binds (Ray has no public accessor for a bound
     deployment's arguments or its autoscaling config)."""
@@ -364,6 +368,7 @@ def test_app_builder_fixed_and_autoscaling(artifact, adapter_dirs):
     fixed = engine_deployment(app_builder({"artifact": str(artifact), "replicas": 3, "threads_per_replica": 2,
                                            "adapters": adapters_arg, "max_seqs": 8}))
     assert fixed.num_replicas == 3 and fixed.max_ongoing_requests == 8
+    assert router_deployment(app_builder({"artifact": str(artifact), "router_replicas": 2})).num_replicas == 2
     assert fixed.ray_actor_options["num_cpus"] == 2
     assert fixed.init_args[1].threads == 2 and fixed.init_args[3] == 4           # the artifact's 4 slots
     scaled = engine_deployment(app_builder({"artifact": str(artifact), "replicas": 2, "min_replicas": 1,

@@ -1,6 +1,8 @@
-"""MXFP4 (GPT-OSS's expert weights): the format against transformers' and gguf-py's dequantization,
-the linear kernels of every ISA this host runs against the dequantized product (and the scalar
-reference), and the GPT-OSS-shape checkpoint builder at a tiny scale."""
+"""MXFP4 (GPT-OSS's expert weights): the format against transformers' and gguf-py's dequantization;
+the linear kernels of every ISA this host runs (the scalar reference included) against the
+dequantized product in float64, within F32_TOL; MXFP4 linears and GPT-OSS's MXFP4 experts compiled
+against the interpreter and transformers; the GPT-OSS-shape checkpoint builder and its GGUF at a
+tiny scale. One kernel library per ISA, built once per session (cached on disk by build.py)."""
 from __future__ import annotations
 
 import functools

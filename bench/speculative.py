@@ -30,7 +30,7 @@ line per prompt gives every ratio of that run.
 
 ``--replay SLOPES`` measures no time: it decodes each prompt once without speculation, then replays
 the n-gram speculator (``runtime/speculative.py``, the same code) over those tokens with a step
-cost of ``1 + slope * (T - 1)`` (T: token rows; ``measured``: the target's own curve). Greedy
+cost of ``1 + slope * (T - 1)`` (T: token rows; ``measured`` in the list: the target's own curve). Greedy
 speculation emits the plain tokens, so the replay gives the exact steps, drafts and acceptance of a
 real run, and the modelled speedup (plain steps / cost of the speculative steps); ``bound`` is the
 same drafter with each step's length known in hindsight (its accepted count), an upper bound for any
@@ -227,12 +227,13 @@ def main() -> None:
 
     if args.replay:
         llm = LLM(args.artifact, threads=args.threads, max_seqs=1)
-        if args.replay == "measured":
-            measured = CostModel.measure(llm.engine)
-            costs = {"measured": CostModel({t: measured.at(t) / measured.at(1) for t in MEASURED_T})}
-        else:
-            costs = {f"slope {x}": CostModel({t: 1 + float(x) * (t - 1) for t in MEASURED_T})
-                     for x in args.replay.split(",")}
+        costs = {}
+        for item in args.replay.split(","):
+            if item == "measured":
+                measured = CostModel.measure(llm.engine)
+                costs[item] = CostModel({t: measured.at(t) / measured.at(1) for t in MEASURED_T})
+            else:
+                costs[f"slope {item}"] = CostModel({t: 1 + float(item) * (t - 1) for t in MEASURED_T})
         tok = llm.tokenizer
         for name, (kind, message) in prompts(tok).items():
             if name not in args.prompts.split(","):

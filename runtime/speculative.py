@@ -37,13 +37,17 @@ ACCEPT_RATE_STEP = 0.15
 #: A draft must raise the expected tokens per second by this factor to be run.
 MIN_GAIN = 1.02
 NGRAM_ORDERS = (3, 2, 1)
-SHARED_ORDER = 3
+SHARED_ORDER = NGRAM_ORDERS[0]      # the shared table is keyed like the top order
 SHARED_TABLE_BOUND = 1 << 20
 #: Draft sources; each sequence keeps a running acceptance per source. Prompt lookup is split by
 #: how many tokens before the match agree with the sequence's last tokens, counted up to 8: the
 #: classes start at MATCH_CLASSES (1, 2-3, 4-7, 8 or more; a long match is a copy in progress,
 #: whose next tokens are far likelier to follow than a lone token's).
 SOURCE_TABLE = 0
+#: Prompt lookup picks, among the last MAX_OCCURRENCES occurrences of the sequence's last 3 tokens,
+#: the one whose preceding tokens agree longest with the sequence's (up to LONGEST_RUN more).
+MAX_OCCURRENCES = 16
+LONGEST_RUN = 16
 MATCH_CLASSES = (1, 2, 4, 8)
 SOURCE_DRAFT = 1 + len(MATCH_CLASSES)
 #: Prior (first draft, each later draft) acceptance of each source before a sequence has shown
@@ -147,6 +151,7 @@ class SpecState:
         "follow",
         "index",
         "indexed",
+        "occurrences",
         "order",
         "probe",
         "steps",
@@ -155,7 +160,8 @@ class SpecState:
     def __init__(self) -> None:
         self.first = [p[0] for p in SOURCE_PRIORS]          # running P(first draft accepted) by source
         self.follow = [p[1] for p in SOURCE_PRIORS]         # running P(draft j+1 accepted | draft j was)
-        self.index: dict[tuple, int] = {}                   # n-gram -> position of the token after it
+        self.occurrences: dict[tuple, list[int]] = {}       # top-order n-gram -> positions after it
+        self.index: dict[tuple, int] = {}                   # lower orders -> position after the last one
         self.indexed = 1                                    # positions [1, indexed) are in ``index``
         self.probe: tuple[int, int, int] | None = None      # (position, token, source) predicted, not run
         self.drafted = 0
@@ -178,6 +184,14 @@ class SpecState:
 
 
 # -- drafters ---------------------------------------------------------------------------------
+def _run_before(tokens: list[int], a: int, b: int) -> int:
+    """How many tokens before positions ``a`` and ``b`` agree, going back (at most LONGEST_RUN)."""
+    m = 0
+    while m < LONGEST_RUN and a - 1 - m >= 0 and tokens[a - 1 - m] == tokens[b - 1 - m]:
+        m += 1
+    return m
+
+
 class NgramDrafter:
     """Prompt lookup over a sequence's own tokens, then the n-gram table shared by all sequences."""
 
@@ -187,31 +201,40 @@ class NgramDrafter:
         self.shared: dict[tuple, int] = {}
 
     def _index(self, tokens: list[int], st: SpecState) -> None:
-        index, shared = st.index, self.shared
+        index, occurrences, shared = st.index, st.occurrences, self.shared
         if len(shared) > SHARED_TABLE_BOUND:
             shared.clear()
+        top = NGRAM_ORDERS[0]
         for j in range(st.indexed, len(tokens)):
-            for n in NGRAM_ORDERS:
+            if j >= top:
+                key = tuple(tokens[j - top:j])
+                occurrences.setdefault(key, []).append(j)
+                shared[key] = tokens[j]
+            for n in NGRAM_ORDERS[1:]:
                 if j >= n:
-                    key = tuple(tokens[j - n:j])
-                    index[key] = j
-                    if n == SHARED_ORDER:
-                        shared[key] = tokens[j]
+                    index[tuple(tokens[j - n:j])] = j
         st.indexed = max(st.indexed, len(tokens))
 
     def propose(self, tokens: list[int], st: SpecState, k: int) -> tuple[list[int], int]:
-        """Up to ``k`` drafted tokens after ``tokens`` and their source (SOURCE_TABLE, or the
-        match-length class of the prompt lookup: 1 + i for a match of MATCH_CLASSES[i] tokens or more)."""
+        """Up to ``k`` drafted tokens after ``tokens`` and their source (SOURCE_TABLE, or the class of
+        the prompt lookup's match: 1 + i where MATCH_CLASSES[i] or more of the last tokens agree)."""
         self._index(tokens, st)
         L = len(tokens)
-        index = st.index
-        for n in NGRAM_ORDERS:
-            if L > n:
-                j = index.get(tuple(tokens[L - n:]))
-                if j is not None:
-                    w = MATCH_CLASSES[-1]
-                    match = sum(a == b for a, b in zip(tokens[max(j - w, 0):j][::-1], tokens[L - w:][::-1]))
-                    return tokens[j:j + k], sum(match >= c for c in MATCH_CLASSES)
+        top = NGRAM_ORDERS[0]
+        seen = st.occurrences.get(tuple(tokens[L - top:])) if L > top else None
+        if seen:
+            # of the last few occurrences of the top-order n-gram, the one whose tokens before it
+            # agree longest with the sequence's (the most recent among equals)
+            j = max(seen[-MAX_OCCURRENCES:], key=lambda q: (_run_before(tokens, q - top, L - top), q))
+        else:
+            j = None
+            for n in NGRAM_ORDERS[1:]:
+                if L > n and (j := st.index.get(tuple(tokens[L - n:]))) is not None:
+                    break
+        if j is not None:
+            w = MATCH_CLASSES[-1]
+            match = sum(a == b for a, b in zip(tokens[max(j - w, 0):j][::-1], tokens[L - w:][::-1]))
+            return tokens[j:j + k], sum(match >= c for c in MATCH_CLASSES)
         shared = self.shared
         draft: list[int] = []
         key = tuple(tokens[L - SHARED_ORDER:]) if L >= SHARED_ORDER else None

@@ -162,6 +162,9 @@ def test_ngram_prompt_lookup_and_shared_table():
     assert draft == [1, 2, 5, 6, 7, 8, 9] and source == 3   # 5 6 7 8 9 agree: 4-7 of the last 8
     draft, source = d.propose([3, 1, 2, 4, 1, 2], SpecState(), 2)
     assert draft == [4, 1] and source == 2                  # the most recent earlier 2-gram
+    seq = [1, 2, 7, 8, 9, 10, 5, 6, 7, 8, 9, 11, 1, 2, 7, 8, 9]
+    draft, _ = NgramDrafter().propose(seq, SpecState(), 2)
+    assert draft == [10, 5]            # of the earlier 7 8 9, the one after 1 2 as here, not the latest
     other = SpecState()
     draft, source = d.propose([40, 41, 7, 8, 9], other, 3)  # not in its own tokens: the shared table
     assert source == SOURCE_TABLE and draft == [1, 2, 5]

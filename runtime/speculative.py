@@ -6,9 +6,10 @@ how many drafts are accepted, and one more token (the target's own, at the first
 after the last draft) is always produced. The KV positions of rejected drafts are simply written
 again by later steps (``Scheduler`` only counts accepted positions as computed).
 
-- ``NgramDrafter``: prompt lookup (the most recent earlier occurrence of the sequence's last n
-  tokens, n = 3, 2, 1, in its prompt and output; what follows it is the draft), falling back to an
-  n-gram table shared by all requests (llama.cpp's ``ngram-mod``). No second model.
+- ``NgramDrafter``: prompt lookup (an earlier occurrence of the sequence's last n tokens, n = 3, 2,
+  1, in its prompt and output: for n = 3 the one with the longest agreeing run before it, else the
+  most recent; what follows it is the draft), falling back to an n-gram table shared by all
+  requests (llama.cpp's ``ngram-mod``). No second model.
 - ``DraftModelDrafter``: a second compiled artifact with the same vocabulary (e.g. the int4 build
   of the target) drafts greedily, batched over the speculating sequences, with its own KV cache.
 - Acceptance: greedy requests accept a draft while it equals the target's argmax, so the output is
@@ -16,8 +17,9 @@ again by later steps (``Scheduler`` only counts accepted positions as computed).
   deterministic drafter: accept draft ``d`` with probability ``p(d)``, otherwise sample from ``p``
   with ``d`` removed; every emitted token is then distributed exactly as ``p`` says.
 - ``CostModel``: the target's step time for T = 1..16 tokens (and a few more), measured at load;
-  the draft length of each sequence is picked from it and the sequence's running acceptance rate,
-  and is 0 (no drafting) where drafting does not pay.
+  the draft length of each sequence is picked from it and the sequence's running acceptance rates
+  of the draft's source (first draft; each draft after an accepted one), and is 0 (no drafting)
+  where drafting does not pay.
 """
 from __future__ import annotations
 

@@ -36,20 +36,22 @@ from infeng_common.errors import InfengError
 
 #: Rate of the running acceptance estimate (per drafted position checked).
 ACCEPT_RATE_STEP = 0.15
-#: A draft must raise the expected tokens per second by this factor to be run.
+#: A longer draft must raise the expected tokens per second of the step by this factor over the best
+#: shorter one (or none) to be run.
 MIN_GAIN = 1.02
 NGRAM_ORDERS = (3, 2, 1)
 SHARED_ORDER = NGRAM_ORDERS[0]      # the shared table is keyed like the top order
 SHARED_TABLE_BOUND = 1 << 20
-#: Draft sources; each sequence keeps a running acceptance per source. Prompt lookup is split by
-#: how many tokens before the match agree with the sequence's last tokens, counted up to 8: the
-#: classes start at MATCH_CLASSES (1, 2-3, 4-7, 8 or more; a long match is a copy in progress,
-#: whose next tokens are far likelier to follow than a lone token's).
-SOURCE_TABLE = 0
 #: Prompt lookup picks, among the last MAX_OCCURRENCES occurrences of the sequence's last 3 tokens,
 #: the one whose preceding tokens agree longest with the sequence's (up to LONGEST_RUN more).
 MAX_OCCURRENCES = 16
 LONGEST_RUN = 16
+#: Draft sources; each sequence keeps running acceptance rates per source. Prompt lookup is split by
+#: how many of the sequence's last 8 tokens agree with the 8 before the match, position by
+#: position: the classes start at MATCH_CLASSES (1, 2-3, 4-7, 8). Many agreeing tokens mean a copy
+#: in progress, whose next tokens are far likelier to follow than a lone token's; counting them
+#: position by position (not only the unbroken run) keeps a copy with one edited token a copy.
+SOURCE_TABLE = 0
 MATCH_CLASSES = (1, 2, 4, 8)
 SOURCE_DRAFT = 1 + len(MATCH_CLASSES)
 #: Prior (first draft, each later draft) acceptance of each source before a sequence has shown

@@ -264,6 +264,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for mode in modes:
                 llm = llms[mode]
+                if llm.loop.speculator is not None:      # no drafts from an earlier run of this prompt
+                    llm.loop.speculator.forget_requests()
                 spec0 = llm.loop.snapshot()
                 steps0 = llm.loop.stats.steps
                 c = llm.generate([ids], params)[0]

@@ -444,6 +444,12 @@ class Speculator:
     def state(self) -> SpecState:
         return SpecState()
 
+    def forget_requests(self) -> None:
+        """Drop what earlier requests taught the drafter (the shared n-gram table): a benchmark that
+        runs a prompt again must not draft from the previous run's output."""
+        if self.drafter.method == "ngram":
+            self.drafter.shared.clear()
+
     def propose(self, seqs: list, caps: list[int], base_tokens: int, decodes: int) -> list[list[int]]:
         """Drafts for the decoding sequences ``seqs`` (each with a ``spec`` state), at most
         ``caps[i]`` tokens each, for a step that already runs ``base_tokens`` rows."""

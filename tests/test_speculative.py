@@ -170,6 +170,14 @@ def test_ngram_prompt_lookup_and_shared_table():
     assert source == SOURCE_TABLE and draft == [1, 2, 5]
 
 
+def test_forget_requests_drops_the_shared_table():
+    spec = Speculator(SpeculativeConfig("ngram", adaptive=False), engine=None)
+    spec.drafter.propose([1, 2, 3, 4, 5], spec.state(), 4)
+    assert spec.drafter.propose([9, 2, 3, 4], spec.state(), 2) == ([5], SOURCE_TABLE)
+    spec.forget_requests()
+    assert spec.drafter.propose([9, 2, 3, 4], spec.state(), 2) == ([], SOURCE_TABLE)
+
+
 def test_acceptance_is_learned_for_the_first_and_the_later_drafts():
     """The first draft of a step and the drafts after an accepted one have rates of their own: a
     copy in progress is often wrong at its first token and then right for many."""

@@ -89,7 +89,9 @@ def amx_permission_granted() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+        libc.syscall.restype = ctypes.c_long          # long syscall(long number, ...): every argument a long
+        return libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM),
+                            ctypes.c_long(_XFEATURE_XTILEDATA)) == 0
     except (OSError, AttributeError):
         return False
 

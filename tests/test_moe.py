@@ -237,3 +237,22 @@ def test_compiled_quantized_experts(moe_checkpoint, tmp_path: Path, preset: str)
     want, got = Interpreter(graph).step(tokens, positions, seq_ids), Engine(out).step(tokens, positions, seq_ids)
     assert np.abs(got - want).max() <= QUANT_TOLERANCE[preset] * np.abs(want).max()
     assert (got.argmax(axis=1) == want.argmax(axis=1)).mean() >= 0.9
+
+
+def test_mxfp4_experts_on_int8_rows(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """GPT-OSS with MXFP4 experts (infeng_models.gpt_oss_shape, tiny) compiled with ``experts-act(q8)``:
+    the driver quantizes each expert's rows to int8 for linear_mxfp4's integer path, and matches the
+    interpreter of the same graph, which rounds those rows alike (``act_quant``)."""
+    from infeng_models.gpt_oss_shape import TINY, write_checkpoint
+
+    root = tmp_path_factory.mktemp("oss-mxfp4")
+    model = write_checkpoint(root / "model", TINY, seed=3)
+    options = CompileOptions(target="native", passes="cast-weights(f32),experts-act(q8)")
+    compile_model(model, root / "q8.infeng", options)
+    graph = import_hf(model)
+    PassManager(parse_pipeline("cast-weights(f32),experts-act(q8)")).run(graph)
+    assert all(n.attrs["act_quant"] == [8, 32] for n in graph.find("experts"))
+    ids = np.array([1, 45, 300, 12, 7, 99, 250, 3, 60, 411, 5, 17], np.int32)
+    step = (ids, np.arange(len(ids), dtype=np.int32), np.zeros(len(ids), np.int32))
+    want, got = Interpreter(graph).step(*step), Engine(root / "q8.infeng").step(*step)
+    assert np.abs(got - want).max() <= QUANT_TOLERANCE["int8"] * np.abs(want).max()

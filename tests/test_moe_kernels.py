@@ -22,7 +22,7 @@ from infeng_compiler.interp import KVStore, Step
 from infeng_compiler.ir.moe_ops import route
 from infeng_compiler.ir.ops import REGISTRY
 from infeng_compiler.ir.types import bf16_to_f32, f32_to_bf16
-from infeng_compiler.quant.formats import get_format, is_quantized
+from infeng_compiler.quant.formats import get_format, is_quantized, mxfp4_tensor
 from infeng_compiler.quant.search import quantize
 
 HOST = host_features()
@@ -54,6 +54,14 @@ SWIGLU = {"alpha": 1.702, "limit": 7.0}
 SINK_CASES = [(4, 2, 16, 16, 0), (6, 2, 24, 8, 5), (2, 1, 64, 4, 3)]   # (heads, KV heads, head_dim, block, window)
 
 
+MXFP4_ACTS = ("f32", "q8")       # MXFP4 experts on f32 rows, or int8 rows (experts-act(q8))
+
+
+def mxfp4_experts_spec(isa: str, act: str) -> KernelSpec:
+    return KernelSpec.make("experts", isa, E=4, H=64, I=64, top_k=2, activation="swiglu_clamp", gate_up="interleaved",
+                           wformat="mxfp4", bdtype="f32", act=act, target=isa, **SWIGLU)
+
+
 def sinks_of(n_heads: int) -> tuple[float, ...]:
     """Sinks from well below to well above the scores, so both ends of the softmax are exercised."""
     return tuple(float(v) for v in np.linspace(-4.0, 6.0, n_heads, dtype=np.float32))
@@ -69,7 +77,7 @@ def experts_spec(isa: str, case: tuple, wdtype: str, bdtype: str) -> KernelSpec:
     E, H, I, k, activation, layout, _ = case
     extra = SWIGLU if activation == "swiglu_clamp" else {"alpha": 0.0, "limit": 0.0}
     return KernelSpec.make("experts", isa, E=E, H=H, I=I, top_k=k, activation=activation, gate_up=layout,
-                           wformat=wdtype, bdtype=bdtype, target=isa, **extra)
+                           wformat=wdtype, bdtype=bdtype, act="f32", target=isa, **extra)
 
 
 def grid_specs(isa: str) -> list[KernelSpec]:
@@ -82,6 +90,9 @@ def grid_specs(isa: str) -> list[KernelSpec]:
         specs.append(KernelSpec.make("router", isa, E=E, top_k=k, scoring=scoring, renormalize=renorm))
     specs.append(KernelSpec.make("head_rms_norm", isa, H=96, head_dim=24, eps=1e-6))
     specs += [sinks_spec(isa, case) for case in SINK_CASES]
+    for act in MXFP4_ACTS:
+        spec = mxfp4_experts_spec(isa, act)
+        specs += [spec] + [s for s in expert_linears(dict(spec.params)).values() if isinstance(s, KernelSpec)]
     for wdtype in WDTYPES:
         specs.append(KernelSpec.make("sigmoid_gate", isa, N=40, K=64, wdtype=wdtype))
     return list(dict.fromkeys(specs))
@@ -257,3 +268,41 @@ def test_attention_sinks(klib: KernelLib, case: tuple) -> None:
                       klib.ptr(pos, "int32_t *"), klib.ptr(slots, "int32_t *"), klib.ptr(block_table, "int32_t *"),
                       max_blocks, klib.ptr(k_cache, "float *"), klib.ptr(v_cache, "float *"), klib.ptr(out, "float *"))
         assert rel_err(out, ref) <= F32_TOL, f"step {step}: error {rel_err(out, ref):.3g}"
+
+
+def random_mxfp4(shape: tuple[int, ...], rng: np.random.Generator):
+    """Random e2m1 codes and e8m0 scales around 2^0 (as GPT-OSS's experts)."""
+    *outer, K = shape
+    return mxfp4_tensor(rng.integers(0, 256, size=(*outer, K // 32, 16), dtype=np.uint8),
+                        rng.integers(120, 128, size=(*outer, K // 32), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("act", MXFP4_ACTS)
+def test_experts_mxfp4(klib: KernelLib, act: str) -> None:
+    """GPT-OSS's experts as it ships them: MXFP4 stacks (E matrices one after another) through
+    linear_mxfp4, on f32 rows or on int8 rows (the reference rounds them alike: act_quant)."""
+    spec = mxfp4_experts_spec(klib.isa, act)
+    called = expert_linears(dict(spec.params))
+    E, H, I, k = 4, 64, 64, 2
+    rng = np.random.default_rng(5)
+    gu, dn = random_mxfp4((E, 2 * I, H), rng), random_mxfp4((E, H, I), rng)
+    biases = [rng.standard_normal(shape, dtype=np.float32) for shape in ((E, 2 * I), (E, H))]
+    attrs = {"activation": "swiglu_clamp", "gate_up": "interleaved", **SWIGLU,
+             **({"act_quant": [8, 32]} if act == "q8" else {})}
+    ws = [gu.dequantize().reshape(E, 2 * I, H), dn.dequantize().reshape(E, H, I), *biases]
+    packed = [gu.pack(), dn.pack()]             # held here: a pointer does not keep its array alive
+    row_floats = {name: quantized_row_floats(called[f"quant_{name}"], width) for name, width in (("x", H), ("act", I))}
+    for T in TOKENS:
+        x = rng.standard_normal((T, H), dtype=np.float32)
+        rw, ids = random_routes(rng, T, E, k)
+        work = {name: np.zeros(T * width, dtype=np.float32) for name, width in
+                (("pairs", k), ("xg", H), ("h", 2 * I), ("act", I), ("y", H),
+                 ("xq", row_floats["x"]), ("actq", row_floats["act"])) if width}
+        out = np.full((T, H), np.nan, dtype=np.float32)
+        klib.fn(spec)(klib.pool, klib.ptr(x, "float *"), T, klib.ptr(rw, "float *"), klib.ptr(ids, "int32_t *"),
+                      klib.ptr(packed[0]), klib.ptr(packed[1]), klib.ptr(biases[0]), klib.ptr(biases[1]),
+                      klib.ptr(work["pairs"], "int32_t *"), klib.ptr(work["xg"], "float *"), klib.ptr(work.get("xq")),
+                      klib.ptr(work["h"], "float *"), klib.ptr(work["act"], "float *"), klib.ptr(work.get("actq")),
+                      klib.ptr(work["y"], "float *"), klib.ptr(out, "float *"))
+        ref = REGISTRY["experts"].reference([x, rw, ids], ws, attrs, None)[0]
+        assert rel_err(out, ref) <= QUANT_TOL["q8r"], f"T={T}: error {rel_err(out, ref):.3g}"

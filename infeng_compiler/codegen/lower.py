@@ -458,7 +458,8 @@ class _Lowering:
         top_k = n.inputs[1].type.shape[-1]
         spec = self.spec("experts", E=E, H=H, I=two_i // 2, top_k=top_k, activation=a["activation"], gate_up=a["gate_up"],
                          alpha=float(a.get("alpha", 0.0)), limit=float(a.get("limit", 0.0)), wformat=gate_up.format,
-                         bdtype=bdtype, target=self.target.name)
+                         bdtype=bdtype, target=self.target.name,
+                         act="q8" if gate_up.format == "mxfp4" and a.get("act_quant") == [8, 32] else "f32")
         linears = expert_linears(dict(spec.params))
         for called in (linears["gate_up"], linears["down"], linears["quant_x"], linears["quant_act"]):
             if called is not None:

@@ -53,6 +53,7 @@ def _check_experts(p: dict[str, Any]) -> None:
     _expect(p["activation"] in EXPERT_ACTIVATIONS, f"experts: activation must be one of {EXPERT_ACTIVATIONS}")
     _expect(p["gate_up"] in GATE_UP_LAYOUTS, f"experts: gate_up must be one of {GATE_UP_LAYOUTS}")
     _expect(p["bdtype"] in ("none", *WEIGHT_CTYPES), f"experts: bias dtype {p['bdtype']!r} has no kernels")
+    _expect(p["act"] in ("f32", "q8"), f"experts: act must be f32 or q8 (MXFP4 weights), got {p['act']!r}")
     expert_linears(p)          # the weight format has linear kernels
 
 
@@ -68,10 +69,12 @@ def expert_linears(p: dict[str, Any]) -> dict[str, Any]:
             _check_wdtype({"wdtype": fmt})
             return KernelSpec.make("linear", target, K=K, N=N, wdtype=fmt)
         if op == "linear_mxfp4":
-            return KernelSpec.make(op, target, K=K, N=N, act="f32")
+            return KernelSpec.make(op, target, K=K, N=N, act=p["act"])
         return KernelSpec.make(op, target, K=K, N=N, wformat=fmt)
 
     def quant(K: int) -> KernelSpec | None:
+        if op == "linear_mxfp4" and p["act"] == "q8":
+            return KernelSpec.make("quantize_act", target, K=K, bits=8, block=32)
         if op not in ("linear_q4", "linear_q8"):
             return None
         bits = 8 if get_format(fmt).bits == 4 else 16
@@ -112,7 +115,7 @@ OPS.update({
         lambda p: [f"e{p['E']}", f"k{p['top_k']}", p["scoring"], "norm" if p["renormalize"] else "raw"],
         _check_router),
     "experts": _OpKernel(
-        ("E", "H", "I", "top_k", "activation", "gate_up", "alpha", "limit", "wformat", "bdtype", "target"),
+        ("E", "H", "I", "top_k", "activation", "gate_up", "alpha", "limit", "wformat", "bdtype", "act", "target"),
         "void {sym}(ife_pool *pool, const float *x /* [T, H] */, int T, const float *route_weights /* [T, top_k] */, "
         "const int32_t *route_ids /* [T, top_k] */, const void *gate_up /* [E, 2I, H] */, const void *down /* [E, H, I] */, "
         "const void *gate_up_bias /* [E, 2I] or NULL */, const void *down_bias /* [E, H] or NULL */, "
@@ -121,7 +124,7 @@ OPS.update({
         "float *y /* [T, H] work */, float *out /* [T, H] */)",
         ("scalar",),
         lambda p: [p["wformat"], f"e{p['E']}", f"h{p['H']}", f"i{p['I']}", f"k{p['top_k']}", p["activation"],
-                   p["gate_up"], f"b{p['bdtype']}"],
+                   p["gate_up"], f"b{p['bdtype']}", *(["q8"] if p["act"] == "q8" else [])],
         _check_experts, _plan_experts),
     "head_rms_norm": _OpKernel(
         ("H", "head_dim", "eps"),

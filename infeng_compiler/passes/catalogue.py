@@ -3,6 +3,7 @@
 from . import (  # noqa: F401
     cast_weights,
     dce,
+    experts_act,
     fold_shapes,
     fuse_linears,
     kv_cache,

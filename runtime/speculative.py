@@ -40,7 +40,6 @@ ACCEPT_RATE_STEP = 0.15
 #: shorter one (or none) to be run.
 MIN_GAIN = 1.02
 NGRAM_ORDERS = (3, 2, 1)
-SHARED_ORDER = NGRAM_ORDERS[0]      # the shared table is keyed like the top order
 SHARED_TABLE_BOUND = 1 << 20
 #: Prompt lookup picks, among the last MAX_OCCURRENCES occurrences of the sequence's last 3 tokens,
 #: the one whose preceding tokens agree longest with the sequence's (up to LONGEST_RUN more).
@@ -225,7 +224,8 @@ class NgramDrafter:
         self._index(tokens, st)
         L = len(tokens)
         top = NGRAM_ORDERS[0]
-        seen = st.occurrences.get(tuple(tokens[L - top:])) if L > top else None
+        key = tuple(tokens[L - top:]) if L >= top else None
+        seen = st.occurrences.get(key) if L > top else None
         if seen:
             # of the last few occurrences of the top-order n-gram, the one whose tokens before it
             # agree longest with the sequence's (the most recent among equals)
@@ -238,10 +238,11 @@ class NgramDrafter:
         if j is not None:
             w = MATCH_CLASSES[-1]
             match = sum(a == b for a, b in zip(tokens[max(j - w, 0):j][::-1], tokens[L - w:][::-1]))
-            return tokens[j:j + k], sum(match >= c for c in MATCH_CLASSES)
+            source = sum(match >= c for c in MATCH_CLASSES)
+            if source > 1 or key not in self.shared:    # a lone token's match is weaker than a 3-gram
+                return tokens[j:j + k], source            # another request continued
         shared = self.shared
         draft: list[int] = []
-        key = tuple(tokens[L - SHARED_ORDER:]) if L >= SHARED_ORDER else None
         while key is not None and len(draft) < k:
             t = shared.get(key)
             if t is None:

@@ -170,6 +170,15 @@ def test_ngram_prompt_lookup_and_shared_table():
     assert source == SOURCE_TABLE and draft == [1, 2, 5]
 
 
+def test_a_lone_token_match_gives_way_to_another_requests_3gram():
+    """A sequence whose own tokens match only its last token drafts what another request had after
+    its last 3 tokens; a longer own match is kept."""
+    d = NgramDrafter()
+    d.propose([1, 2, 3, 4, 5, 6], SpecState(), 4)
+    assert d.propose([3, 9, 7, 2, 3, 4], SpecState(), 2) == ([5, 6], SOURCE_TABLE)   # own: 3 -> 9
+    assert NgramDrafter().propose([3, 9, 7, 2, 3], SpecState(), 2) == ([9, 7], 1)   # alone: its own 1-gram
+
+
 def test_forget_requests_drops_the_shared_table():
     spec = Speculator(SpeculativeConfig("ngram", adaptive=False), engine=None)
     spec.drafter.propose([1, 2, 3, 4, 5], spec.state(), 4)

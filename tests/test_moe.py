@@ -256,3 +256,28 @@ def test_mxfp4_experts_on_int8_rows(tmp_path_factory: pytest.TempPathFactory) ->
     step = (ids, np.arange(len(ids), dtype=np.int32), np.zeros(len(ids), np.int32))
     want, got = Interpreter(graph).step(*step), Engine(root / "q8.infeng").step(*step)
     assert np.abs(got - want).max() <= QUANT_TOLERANCE["int8"] * np.abs(want).max()
+
+
+@pytest.mark.parametrize(("variant", "edit", "message"), [
+    ("mixtral", {"num_experts_per_tok": 9}, "num_experts_per_tok=9 exceeds the 4 experts"),
+    ("mixtral", {"num_local_experts": 5}, "gate.weight has shape [4, 64] but config.json implies [5, 64]"),
+    ("qwen2_moe", {"mlp_only_layers": 1}, "mlp_only_layers must be a list"),
+    ("gpt_oss", {"swiglu_limit": "seven"}, "swiglu_limit must be a number"),
+    ("gpt_oss", {"layer_types": ["full_attention"]}, "layer_types must list the 2 layers"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv is not supported"),
+])
+def test_malformed_moe_config_is_one_line(moe_checkpoint, tmp_path: Path, variant: str, edit: dict,
+                                          message: str) -> None:
+    import json
+    import shutil
+
+    from infeng_common.errors import InfengError
+
+    model = tmp_path / variant
+    shutil.copytree(moe_checkpoint(variant), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(InfengError) as err:
+        import_hf(model)
+    text = str(err.value)
+    assert message in text and "\n" not in text and str(model) in text

@@ -325,17 +325,25 @@ class DraftModelDrafter:
 
 # -- cost ----------------------------------------------------------------------------------------
 MEASURED_T = tuple(range(1, 17)) + (24, 32, 48, 64)
+#: The step is also timed this many positions into a sequence, at these row counts.
+DEEP_CONTEXT = 1024
+DEEP_T = (1, 2, 4, 8, 16, 32, 64)
 
 
 class CostModel:
     """Seconds of one forward step as a function of its token rows (all of them with logits),
-    linear between and beyond the measured points."""
+    linear between and beyond the measured points. With ``deep`` (the same step measured with its
+    rows ``depth`` positions into a sequence), the cost at a context of ``c`` tokens moves from the
+    first curve towards ``deep`` in proportion, ``c / depth``: every row attends to its context, so
+    a drafted row costs more in a long sequence than at its start."""
 
-    def __init__(self, seconds: dict[int, float]):
+    def __init__(self, seconds: dict[int, float], deep: dict[int, float] | None = None, depth: int = 0):
         ts = sorted(seconds)
         self.ts = np.array(ts, dtype=np.float64)
         self.cost = np.maximum.accumulate(np.array([seconds[t] for t in ts], dtype=np.float64))
         self._table = [self(t) for t in range(257)]
+        self.deep = CostModel(deep) if deep and depth > 0 else None
+        self.depth = depth
 
     def __call__(self, tokens: float) -> float:
         ts, cost = self.ts, self.cost
@@ -344,42 +352,56 @@ class CostModel:
         slope = (cost[-1] - cost[-2]) / (ts[-1] - ts[-2]) if len(ts) > 1 else cost[-1] / ts[-1]
         return float(cost[-1] + slope * (tokens - ts[-1]))
 
-    def at(self, tokens: int) -> float:
-        return self._table[tokens] if tokens < len(self._table) else self(tokens)
+    def at(self, tokens: int, context: float = 0.0) -> float:
+        """The step's seconds for ``tokens`` rows whose sequences are ``context`` tokens long."""
+        base = self._table[tokens] if tokens < len(self._table) else self(tokens)
+        if self.deep is None or context <= 0:
+            return base
+        return base + max(self.deep.at(tokens) - base, 0.0) * context / self.depth
 
     @classmethod
     def measure(cls, engine, points: Seq[int] = MEASURED_T, repeats: int = 3) -> CostModel:
         """Time ``engine``'s forward step for each T in ``points`` (a scratch sequence, logits on
-        every row, best of ``repeats``); the KV blocks it used go back to the pool. The repeats
-        are rounds over all the points, so a burst of load elsewhere slows one round of every T
-        rather than every repeat of a few T (which the running maximum would carry to all larger T)."""
+        every row, best of ``repeats``), at positions from 0 and, for the points in DEEP_T, from
+        DEEP_CONTEXT (or what the context allows); the KV blocks it used go back to the pool. The
+        repeats are rounds over all the points, so a burst of load elsewhere slows one round of
+        every T rather than every repeat of a few T (which the running maximum would carry to all
+        larger T)."""
         kv = engine.kv
         points = [t for t in points if t <= min(engine.max_tokens, kv.max_context)]
+        top = max(points)
+        depth = min(DEEP_CONTEXT, kv.max_context - top)
+        if depth < top or kv.blocks_needed(-1, depth + top) > kv.num_free:
+            depth = 0                                       # no room for a deep curve
+        runs = [(t, 0) for t in points] + [(t, depth) for t in points if depth and t in DEEP_T]
         scratch = -1
-        kv.ensure(scratch, max(points))
+        kv.ensure(scratch, depth + top)
         try:
             slot = kv.slot_of[scratch]
-            seconds = dict.fromkeys(points, math.inf)
+            seconds = dict.fromkeys(runs, math.inf)
             for _ in range(repeats):
-                for t in points:
+                for t, start in runs:
                     tokens = np.zeros(t, dtype=np.int32)
-                    positions = np.arange(t, dtype=np.int32)
+                    positions = np.arange(start, start + t, dtype=np.int32)
                     slots = np.full(t, slot, dtype=np.int32)
                     rows = np.arange(t, dtype=np.int32)
                     t0 = time.perf_counter()
                     engine.forward(tokens, positions, slots, rows)
-                    seconds[t] = min(seconds[t], time.perf_counter() - t0)
+                    seconds[t, start] = min(seconds[t, start], time.perf_counter() - t0)
         finally:
             kv.free(scratch)
-        return cls(seconds)
+        deep = {t: v for (t, start), v in seconds.items() if start}
+        return cls({t: v for (t, start), v in seconds.items() if not start}, deep, depth)
 
 
 def choose_lengths(cost: CostModel, base_tokens: int, decodes: int, accept: Seq[float], caps: Seq[int],
-                   draft_cost: CostModel | None = None, follow: Seq[float] | None = None) -> list[int]:
+                   draft_cost: CostModel | None = None, follow: Seq[float] | None = None,
+                   context: float = 0.0) -> list[int]:
     """Draft lengths that maximise expected tokens per second of the step: ``decodes`` tokens are
     produced anyway from ``base_tokens`` rows; a sequence's first draft adds ``accept`` expected
     tokens and its j-th ``accept * follow**(j-1)`` (``follow`` defaults to ``accept``), one row each.
-    Drafts are handed out greedily by marginal gain; a longer prefix is kept only if it beats the
+    ``context``: the sequences' mean length (CostModel.at). Drafts are handed out greedily by
+    marginal gain; a longer prefix is kept only if it beats the
     best shorter one (or no drafting) by MIN_GAIN, which keeps an over-hopeful estimate from
     stretching drafts for a sliver of expected gain."""
     n = len(caps)
@@ -389,7 +411,7 @@ def choose_lengths(cost: CostModel, base_tokens: int, decodes: int, accept: Seq[
     heapq.heapify(heap)
     expected, rows = float(decodes), base_tokens
     rounds = [0] * 33                             # draft steps of the draft model: sequences with k > r
-    best_rate = expected / cost.at(rows)
+    best_rate = expected / cost.at(rows, context)
     best: list[int] | None = None
     while heap:
         gain, i = heapq.heappop(heap)
@@ -397,15 +419,19 @@ def choose_lengths(cost: CostModel, base_tokens: int, decodes: int, accept: Seq[
         rows += 1
         rounds[k[i]] += 1
         k[i] += 1
-        seconds = cost.at(rows)
+        seconds = cost.at(rows, context)
         if draft_cost is not None:
-            seconds += sum(draft_cost.at(c) for c in rounds if c)
+            seconds += sum(draft_cost.at(c, context) for c in rounds if c)
         rate = expected / seconds
         if rate > best_rate * MIN_GAIN:
             best_rate, best = rate, list(k)
         if k[i] < caps[i] and follow[i] > 0:
             heapq.heappush(heap, (gain * follow[i], i))
     return best if best is not None else [0] * n
+
+
+def _mean_length(seqs: list) -> float:
+    return sum(len(seq.tokens) for seq in seqs) / len(seqs)
 
 
 # -- the speculator ----------------------------------------------------------------------------
@@ -480,7 +506,7 @@ class Speculator:
                 accept = [seq.spec.first[s] if d else 0.0 for seq, d, s in zip(seqs, proposals, sources)]
                 follow = [seq.spec.follow[s] for seq, s in zip(seqs, sources)]
                 lengths = choose_lengths(self.cost, base_tokens, decodes, accept, [len(d) for d in proposals],
-                                         follow=follow)
+                                         follow=follow, context=_mean_length(seqs))
             out = []
             for seq, draft, source, k in zip(seqs, proposals, sources, lengths):
                 st = seq.spec
@@ -497,7 +523,8 @@ class Speculator:
             accept = [seq.spec.first[source] for seq in seqs]
             follow = [seq.spec.follow[source] for seq in seqs]
             capped = [min(c, max_draft) for c in caps]
-            lengths = choose_lengths(self.cost, base_tokens, decodes, accept, capped, self.draft_cost, follow)
+            lengths = choose_lengths(self.cost, base_tokens, decodes, accept, capped, self.draft_cost, follow,
+                                     _mean_length(seqs))
             if not any(lengths) and self.step_no % 16 == 0:   # probe now and then: acceptance may have risen
                 lengths = [min(1, c) for c in capped]
         items = [(seq.seq_id, seq.tokens, seq.spec, k) for seq, k in zip(seqs, lengths) if k > 0]

@@ -235,6 +235,37 @@ def test_choose_lengths_follows_cost_and_acceptance():
     assert choose_lengths(rising, 1, 1, [0.3], [8], follow=[0.95]) == [3]   # once right, likely right on
 
 
+def test_a_long_context_makes_drafted_rows_dearer():
+    """The cost curve measured deep into a sequence is blended in by context length: where every
+    drafted row attends to a long context, drafts are shorter."""
+    cost = CostModel({t: 1.0 + 0.05 * (t - 1) for t in range(1, 17)},
+                     {t: 1.2 + 0.5 * (t - 1) for t in range(1, 17)}, depth=1000)
+    assert cost.at(4) == pytest.approx(1.15) and cost.at(4, 1000) == pytest.approx(2.7)
+    assert cost.at(4, 500) == pytest.approx(1.925)
+    assert choose_lengths(cost, 1, 1, [0.6], [8], follow=[0.8]) == [6]
+    assert choose_lengths(cost, 1, 1, [0.6], [8], follow=[0.8], context=1000) == [1]
+
+
+def test_cost_measured_at_the_start_and_deep_into_a_sequence():
+    class Engine:
+        max_tokens = 4096
+
+        def __init__(self, max_context):
+            self.kv = BlockAllocator(n_blocks=max_context // 16, block_size=16, max_seqs=2, max_context=max_context)
+            self.starts = set()
+
+        def forward(self, tokens, positions, slots, rows):
+            self.starts.add((len(tokens), int(positions[0])))
+
+    engine = Engine(2048)
+    cost = CostModel.measure(engine, points=(1, 2, 3, 4), repeats=1)
+    assert cost.depth == 1024 and cost.deep is not None
+    assert engine.starts == {(1, 0), (2, 0), (3, 0), (4, 0), (1, 1024), (2, 1024), (4, 1024)}
+    assert engine.kv.num_free == engine.kv.n_blocks                  # the scratch sequence is gone
+    small = Engine(96)
+    assert CostModel.measure(small, points=(1, 64), repeats=1).deep is None   # no room to go deep
+
+
 def test_parse_speculative(tmp_path):
     assert parse_speculative(None) is None and parse_speculative("off") is None
     assert parse_speculative("ngram") == SpeculativeConfig("ngram")

@@ -175,18 +175,19 @@ def replay(prompt: list[int], output: list[int], cost, max_draft: int, hindsight
     spec = Speculator(config, engine=None, cost=None if hindsight else cost)
     seq = SimpleNamespace(seq_id=0, tokens=list(prompt) + output[:1], spec=spec.state())
     done, steps, seconds, drafted, accepted = 1, 0, 0.0, 0, 0
+    plain = sum(cost.at(1, len(prompt) + i) for i in range(1, len(output)))
     while done < len(output):
         draft = spec.propose([seq], [len(output) - done - 1], 1, 1)[0]
         a = accept_greedy(output[done:done + len(draft) + 1], draft)
         spec.verified(seq, len(draft), a)
         seq.tokens += output[done:done + a + 1]
         done, steps = done + a + 1, steps + 1
-        seconds += cost.at(1 + (a if hindsight else len(draft)))
+        seconds += cost.at(1 + (a if hindsight else len(draft)), len(seq.tokens) - a - 1)
         drafted, accepted = drafted + len(draft), accepted + a
     return {"steps": steps, "tokens_per_step": round((len(output) - 1) / max(steps, 1), 2),
             "drafted_per_step": round(drafted / max(steps, 1), 2),
             "acceptance": round(accepted / drafted, 3) if drafted else None,
-            "modelled_speedup": round(cost.at(1) * (len(output) - 1) / seconds, 3) if seconds else 1.0}
+            "modelled_speedup": round(plain / seconds, 3) if seconds else 1.0}
 
 
 def main() -> None:
@@ -231,7 +232,9 @@ def main() -> None:
         for item in args.replay.split(","):
             if item == "measured":
                 measured = CostModel.measure(llm.engine)
-                costs[item] = CostModel({t: measured.at(t) / measured.at(1) for t in MEASURED_T})
+                unit = measured.at(1)
+                deep = {t: measured.deep.at(t) / unit for t in MEASURED_T} if measured.deep else None
+                costs[item] = CostModel({t: measured.at(t) / unit for t in MEASURED_T}, deep, measured.depth)
             else:
                 costs[f"slope {item}"] = CostModel({t: 1 + float(item) * (t - 1) for t in MEASURED_T})
         tok = llm.tokenizer

@@ -50,7 +50,7 @@ def test_dequantize_matches_transformers_and_gguf() -> None:
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     qt = random_mxfp4((3, 40, 96), 0)
-    qt.scales[0, 0, 0], qt.scales[1, 2, 1] = 1, 200                # tiny and huge powers of two too
+    qt.scales[0, 0, 0], qt.scales[1, 2, 1], qt.scales[2, 3, 2] = 1, 200, 0     # tiny and huge powers of two too
     ours = qt.dequantize()
     assert ours.shape == (3, 40, 96) and ours.dtype == np.float32
     for dtype in (torch.float32, torch.bfloat16):                  # transformers returns [E, K, N]
@@ -60,6 +60,9 @@ def test_dequantize_matches_transformers_and_gguf() -> None:
     assert ggml.shape == (3, 40, 96 // 32 * 17)
     back = gguf.quants.dequantize(ggml, gguf.GGMLQuantizationType.MXFP4)
     assert np.array_equal(np.asarray(back).reshape(ours.shape), ours)
+    qt.scales[0, 1, 1] = 0xFF                                      # 2^128: inf, or 0 for the code 0
+    theirs = convert_moe_packed_tensors(torch.from_numpy(qt.codes), torch.from_numpy(qt.scales), dtype=torch.float32)
+    assert np.array_equal(theirs.transpose(1, 2).numpy(), qt.dequantize())
 
 
 def test_pack_is_the_checkpoint_bytes() -> None:

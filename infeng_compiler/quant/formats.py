@@ -436,7 +436,11 @@ class MXFP4Format(QuantFormat):
         """float32 ``[..., N, K]``; exact (every value is a small integer times a power of two)."""
         blocks, scales = np.asarray(qt.codes, dtype=np.uint8), np.asarray(qt.scales, dtype=np.uint8)
         values = _e2m1_pairs()[blocks].reshape(*blocks.shape[:-1], MXFP4_BLOCK)     # one f32 buffer
-        np.ldexp(values, scales.astype(np.int32)[..., None] - E8M0_BIAS, out=values)
+        if np.any(scales == 0xFF):          # 2^128 overflows f32: ldexp keeps 0 * 2^128 = 0, as transformers
+            with np.errstate(over="ignore"):
+                np.ldexp(values, scales.astype(np.int32)[..., None] - E8M0_BIAS, out=values)
+        else:                               # a power of two times an e2m1 value: exact, and 10x faster
+            values *= _e8m0_values()[scales][..., None]
         return values.reshape(tuple(qt.shape))
 
     def pack(self, qt: QuantizedTensor) -> np.ndarray:
@@ -458,6 +462,13 @@ class MXFP4Format(QuantFormat):
 
 
 MXFP4 = MXFP4Format("mxfp4", "mxfp4", 4, MXFP4_BLOCK)
+
+
+@lru_cache(maxsize=1)
+def _e8m0_values() -> np.ndarray:
+    """float32 2^(s - 127) of every e8m0 byte s (2^-127 is a subnormal; 0xFF overflows to inf)."""
+    with np.errstate(over="ignore"):
+        return np.ldexp(np.float32(1.0), np.arange(256) - E8M0_BIAS).astype(np.float32)
 
 
 @lru_cache(maxsize=1)

@@ -7,8 +7,10 @@
 The checkpoint is ``infeng_models.gpt_oss_shape`` (random MXFP4 experts, bf16 elsewhere, written
 once under ``--workdir``: about 13 GB, and as much again for the GGUF it transcodes for llama.cpp).
 ``infeng compile`` builds the artifact (``--max-tokens`` = ``--pp``, so the prompt is one forward
-call; ``--compile-args``, by default ``--passes cast-weights(bf16),fuse-linears``: the bf16 matrices
-stay bf16 and the MXFP4 experts MXFP4, the bytes the GGUF holds). Then, for every round (the order flips each round, so
+call; ``--compile-args``, by default ``--passes cast-weights(bf16),experts-act(q8),fuse-linears``:
+the bf16 matrices stay bf16 and the MXFP4 experts MXFP4, the bytes the GGUF holds, and the experts
+read int8 activation rows as llama.cpp's do; ``--compile-args "--passes
+cast-weights(bf16),fuse-linears"`` measures the f32-activation experts, exact against transformers). Then, for every round (the order flips each round, so
 drift hits both alike), in fresh processes on ``--threads`` threads:
 
 - ``pp``: prompt processing of ``--pp`` tokens (``infeng bench --prompt-len``; llama-bench ``-p``);
@@ -27,6 +29,7 @@ and ``ratio`` with the best of the rounds); a failing step is one line on stderr
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import shlex
@@ -51,8 +54,9 @@ from compare_llamacpp import (
 )
 
 #: The checkpoint's bf16 matrices stay bf16 (the default pipeline stores f32) and its MXFP4 experts
-#: stay MXFP4 (``--dtype bf16`` would widen them too), so both engines read the same bytes.
-DEFAULT_COMPILE_ARGS = "--passes cast-weights(bf16),fuse-linears"
+#: stay MXFP4 (``--dtype bf16`` would widen them too), so both engines read the same bytes; the
+#: experts read int8 activation rows (``experts-act(q8)``), as llama.cpp's MXFP4 x Q8_0 dot products do.
+DEFAULT_COMPILE_ARGS = "--passes cast-weights(bf16),experts-act(q8),fuse-linears"
 
 
 def run_measured(cmd: list[str], what: str, env: dict | None = None) -> tuple[str, float]:
@@ -116,7 +120,8 @@ def ensure_gguf(model: Path) -> Path:
 def compile_artifact(model: Path, target: str, max_tokens: int, extra: list[str]) -> Path:
     """``infeng compile``, kept from an earlier run with the same options and model (``ARTIFACT.bench.json``
     records them): a 20B artifact is 13 GB."""
-    out = model.with_name(f"{model.name}-{target}-t{max_tokens}.infeng")
+    variant = hashlib.sha256(shlex.join(extra).encode()).hexdigest()[:8]          # one artifact per option set
+    out = model.with_name(f"{model.name}-{target}-t{max_tokens}-{variant}.infeng")
     options = out.with_suffix(".bench.json")
     wanted = {"compile_args": extra, "model_mtime": (model / "model.safetensors.index.json").stat().st_mtime}
     if options.is_file() and json.loads(options.read_text()) == wanted:
@@ -200,7 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="native")
     p.add_argument("--compile-args", default=DEFAULT_COMPILE_ARGS,
                    help="`infeng compile` options, one string (default: bf16 storage of the non-expert matrices, "
-                        "as the checkpoint and the GGUF hold them; the MXFP4 experts are kept as they are)")
+                        "as the checkpoint and the GGUF hold them; the MXFP4 experts kept as they are, on int8 rows)")
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     p.add_argument("--model", type=Path, default=None, help="a GPT-OSS MXFP4 checkpoint instead of the built one")
     p.add_argument("--tiny", action="store_true", help="the scaled-down shape (checks the pipeline)")

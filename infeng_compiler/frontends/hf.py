@@ -167,11 +167,11 @@ class _Builder:
         h = g.add_node("embedding", [tokens], [embed], name="embed").output
         for i in range(layers):
             p = f"model.layers.{i}."
-            W = lambda n, shape: self.weight(g, p + n, shape)  # noqa: E731
+            W = lambda n, shape, p=p: self.weight(g, p + n, shape)
             x = g.add_node("rms_norm", [h], [W("input_layernorm.weight", (hidden,))], {"eps": eps},
                            name=f"l{i}.attn_norm").output
 
-            def proj(n: str, out: int, inp: int, bias: bool, value_name: str, x=x) -> Value:
+            def proj(n: str, out: int, inp: int, bias: bool, value_name: str, x=x, W=W) -> Value:
                 ws = [W(f"{n}.weight", (out, inp))] + ([W(f"{n}.bias", (out,))] if bias else [])
                 return g.add_node("linear", [x], ws, name=value_name).output
 
@@ -423,7 +423,7 @@ class _Builder:
         prefix = "transformer." if "transformer.wte.weight" in self.tensors else ""
         g, tokens, positions = self.graph(self.common_meta("gpt2", hidden, layers, heads, heads, head_dim,
                                                             vocab, n_pos))
-        W = lambda n, shape, t=False: self.weight(g, prefix + n, shape, transposed=t)  # noqa: E731
+        W = lambda n, shape, t=False: self.weight(g, prefix + n, shape, transposed=t)
         wte = W("wte.weight", (vocab, hidden))
         tok = g.add_node("embedding", [tokens], [wte], name="embed").output
         pos = g.add_node("embedding", [positions], [W("wpe.weight", (n_pos, hidden))], name="pos_embed").output

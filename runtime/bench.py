@@ -65,7 +65,13 @@ def run_bench(engine: Engine, cfg: BenchConfig, bandwidth_gb_s: float | None) ->
          "weights_mib": round(weights / 2**20, 1)},
     ]
     if bandwidth_gb_s:
-        roofline = bandwidth_gb_s * 1e9 / weights * B      # weights read once per step
+        # weights read once per step; of a MoE model's experts at most the B tokens' choices (docs/moe.md)
+        constants = engine.manifest["constants"]
+        experts = constants.get("expert_weights_bytes", 0)
+        read = weights - experts + experts * min(1.0, B * constants.get("experts_per_token_share", 1.0))
+        roofline = bandwidth_gb_s * 1e9 / read * B
+        if experts:
+            results[1]["weights_read_mib"] = round(read / 2**20, 1)
         results[1].update(bandwidth_gb_s=round(bandwidth_gb_s, 2), roofline_tok_s=round(roofline, 1),
                           roofline_frac=round(decode_tok_s / roofline, 3))
     if profile:

@@ -203,8 +203,19 @@ class _Lowering:
              "n_kv_heads": attn[0].attrs["n_kv_heads"] if attn else 0,
              "head_dim": attn[0].attrs["head_dim"] if attn else 0,
              "lora_slots": self.lora_shape[0], "lora_rank": self.lora_shape[1], "lora_sites": self.lora_sites,
-             "kv_layers": self.kv_layers},
+             "kv_layers": self.kv_layers, **self.expert_constants()},
             profile)
+
+    def expert_constants(self) -> dict[str, Any]:
+        """For MoE models: the bytes of the stacked expert weights (gate_up, down and their biases) and
+        the share of them one token reads (top_k / E), so a decode roofline counts the active bytes."""
+        nodes = list(self.g.find("experts"))
+        if not nodes:
+            return {}
+        names = {w.name for n in nodes for w in n.weights}
+        share = max(n.inputs[1].type.shape[-1] / n.weights[0].type.shape[0] for n in nodes)
+        return {"expert_weights_bytes": sum(self.weight_slots[name].nbytes for name in names),
+                "experts_per_token_share": share}
 
     def floats(self, v: Value) -> int:
         """Arena floats per token row of ``v``: its width, or a quantized activation row's bytes / 4."""

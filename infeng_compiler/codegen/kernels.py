@@ -162,9 +162,11 @@ _GEMM_MIN_T = 64
 #: of weights take at most this much (three quarters of L1), else into L2 (measured: T=8 at K=576
 #: or T=4 at K=1536 ran 1.5-2x faster prefetching into L2, T<=4 at K=576 1.2-1.6x slower).
 _DOT_PF_L1_BYTES = 3 * _L1_BYTES // 4
-#: Weight rows streamed together at T=1, one accumulator each, summed as the dot tiles sum (so a
-#: row's result does not depend on T below the GEMM): two FMA chains, two streams in address order.
-_GEMV_ROWS = 2
+#: Accumulators per output along K at T=1: enough independent FMA chains to cover the FMA latency.
+#: The dot tiles (T >= 2) keep one per output, so with f32/f16/bf16 weights a row's last bits can
+#: differ between T = 1 and T >= 2: summing T = 1 their way (one or two rows per FMA chain) ran
+#: 1.1-1.7x slower per call (576x1536 and 2048x8192 f16 from DRAM, interleaved A/B, 1 thread).
+_GEMV_UNROLL = 4
 #: Largest k depth of a packed block: an MR x KC tile of x stays in L1 (8 x 512 x 4 B = 16 KiB).
 _GEMM_MAX_KC = 512
 #: Work items per matrix the packed path aims for, so that threads get balanced ranges.
@@ -186,7 +188,7 @@ def _plan_linear(p: dict[str, Any], isa: str) -> dict[str, Any]:
     nc_in_l2 = max(nr, _L2_BYTES // 4 // (kc * 4) // nr * nr)
     nc = min(nc_in_l2, _round_up(-(-N // _GEMM_MIN_ITEMS), nr))
     return {
-        "gemv_rows": _GEMV_ROWS, "dot_rows": tiles.dot_rows, "dot_tokens": tiles.dot_tokens,
+        "gemv_unroll": _GEMV_UNROLL, "dot_rows": tiles.dot_rows, "dot_tokens": tiles.dot_tokens,
         "gemv_block": _round_up(rows_in_l1, tiles.dot_rows), "pf_l1_bytes": _DOT_PF_L1_BYTES,
         "k_tail": K % k_chunk,
         "gemm_min_t": _GEMM_MIN_T, "mr": tiles.mr, "nr": nr, "kc": kc, "nc": nc,

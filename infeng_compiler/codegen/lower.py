@@ -235,6 +235,10 @@ class _Lowering:
         if n.op == "embedding":
             weight_bytes = weight_nbytes(n.weights[0]) // n.weights[0].type.shape[0]
         flops = 2 * n.weights[0].type.numel() if n.op in ("linear", "logits") else 0
+        if n.op == "experts":        # one token reads its top_k of the E experts, 3 matrix products each
+            top_k, n_experts = n.inputs[1].type.shape[-1], n.weights[0].type.shape[0]
+            weight_bytes = weight_bytes * top_k // n_experts
+            flops = 2 * (n.weights[0].type.numel() + n.weights[1].type.numel()) * top_k // n_experts
         return ProfileEntry(n.outputs[0].name, n.op, weight_bytes, flops)
 
     def aliasable(self, n: Node, last_use: dict[str, int], i: int) -> Value | None:

@@ -106,8 +106,8 @@ def describe(lowered: LoweredModel) -> str:
     """The lowered model as text (``infeng ir --after lower``): one line per kernel call of the
     forward step with its symbol, static parameters and arguments (weights at their byte offsets in
     weights.bin, activations at their arena slices: floats per token row), then the IR line."""
-    lines = [f"# lowered for {lowered.target.name}: {len(lowered.calls)} calls of {len(lowered.specs)} kernels, "
-             f"weights {lowered.weights_bytes:,} bytes, arena {lowered.arena_floats_per_row:,} floats per token row"]
+    lines = [(f"# lowered for {lowered.target.name}: {len(lowered.calls)} calls of {len(lowered.specs)} kernels, "
+              f"weights {lowered.weights_bytes:,} bytes, arena {lowered.arena_floats_per_row:,} floats per token row")]
     for call in lowered.calls:
         guard = f"if ({call.guard}) " if call.guard else ""
         if call.spec is None:

@@ -186,8 +186,8 @@ def case_unsupported_activation(m: Path) -> tuple[Path, Expect]:
 
 
 def case_unsupported_rope(m: Path) -> tuple[Path, Expect]:
-    edit_config(m, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
-    return m, Expect(UnsupportedError, (str(m / "config.json"), "yarn"))
+    edit_config(m, rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0})
+    return m, Expect(UnsupportedError, (str(m / "config.json"), "longrope"))
 
 
 def case_config_bad_json(m: Path) -> tuple[Path, Expect]:

@@ -13,12 +13,12 @@ import math
 import subprocess
 import sys
 
-import cffi
 import numpy as np
 import pytest
+from _kernel_lib import KernelLib, rel_err
 
 from infeng_compiler.codegen.build import build_library
-from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
+from infeng_compiler.codegen.kernels import KernelSpec, library_sources, template_isa
 from infeng_compiler.codegen.target import TARGETS, host_features
 from infeng_compiler.interp import KVStore, Step
 from infeng_compiler.ir.ops import REGISTRY, rope_inv_freq
@@ -26,7 +26,6 @@ from infeng_compiler.ir.types import bf16_to_f32, f32_to_bf16
 
 HOST = host_features()
 RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(HOST)]
-POOL_THREADS = 3          # more than the 2 cores of the CI machine: uneven ranges, preempted workers
 F32_TOL = 1e-5            # max abs error / max |reference|
 BF16_DOT_TOL = 2e-2
 
@@ -82,43 +81,14 @@ def grid_specs(isa: str) -> list[KernelSpec]:
     return specs
 
 
-class KernelLib:
-    """A built grid library, loaded with cffi, plus a pool of POOL_THREADS threads."""
-
-    def __init__(self, isa: str):
-        self.isa = isa
-        self.target = TARGETS[isa]
-        specs = grid_specs(isa)
-        sources, baseline = library_sources(specs, self.target)
-        self.build = build_library(sources, self.target, baseline_sources=baseline)
-        self.ffi = cffi.FFI()
-        self.ffi.cdef(cdef(specs))
-        self.lib = self.ffi.dlopen(str(self.build.path))
-        self.pool = self.ffi.gc(self.lib.ife_pool_create(POOL_THREADS), self.lib.ife_pool_destroy)
-
-    def fn(self, spec: KernelSpec):
-        return getattr(self.lib, spec.symbol)
-
-    def ptr(self, array: np.ndarray | None, ctype: str = "float *"):
-        if array is None:
-            return self.ffi.NULL
-        assert array.flags.c_contiguous
-        return self.ffi.cast(ctype, self.ffi.from_buffer(array))
-
-
 @functools.cache
 def kernel_lib(isa: str) -> KernelLib:
-    return KernelLib(isa)
+    return KernelLib(isa, grid_specs(isa))
 
 
 @pytest.fixture(scope="session", params=RUNNABLE)
 def klib(request) -> KernelLib:
     return kernel_lib(request.param)
-
-
-def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
-    scale = float(np.max(np.abs(ref))) or 1.0
-    return float(np.max(np.abs(got.astype(np.float64) - ref.astype(np.float64)))) / scale
 
 
 def weights(rng: np.random.Generator, shape: tuple[int, ...], wdtype: str) -> tuple[np.ndarray, np.ndarray]:

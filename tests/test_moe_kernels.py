@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import functools
 
-import cffi
 import numpy as np
 import pytest
+from _kernel_lib import KernelLib, rel_err
 
-from infeng_compiler.codegen.build import build_library
-from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
+from infeng_compiler.codegen.kernels import KernelSpec, template_isa
 from infeng_compiler.codegen.moe_kernels import expert_linears, quantized_row_floats
 from infeng_compiler.codegen.target import TARGETS, host_features
 from infeng_compiler.interp import KVStore, Step
@@ -27,7 +26,6 @@ from infeng_compiler.quant.search import quantize
 
 HOST = host_features()
 RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(HOST)]
-POOL_THREADS = 3
 F32_TOL = 1e-5            # max abs error / max |reference|
 BF16_DOT_TOL = 2e-2
 TOKENS = [1, 2, 5, 17, 70]          # decode, batched decode, the packed GEMM path of the linear kernels
@@ -98,30 +96,9 @@ def grid_specs(isa: str) -> list[KernelSpec]:
     return list(dict.fromkeys(specs))
 
 
-class KernelLib:
-    def __init__(self, isa: str):
-        self.isa = isa
-        specs = grid_specs(isa)
-        sources, baseline = library_sources(specs, TARGETS[isa])
-        self.build = build_library(sources, TARGETS[isa], baseline_sources=baseline)
-        self.ffi = cffi.FFI()
-        self.ffi.cdef(cdef(specs))
-        self.lib = self.ffi.dlopen(str(self.build.path))
-        self.pool = self.ffi.gc(self.lib.ife_pool_create(POOL_THREADS), self.lib.ife_pool_destroy)
-
-    def fn(self, spec: KernelSpec):
-        return getattr(self.lib, spec.symbol)
-
-    def ptr(self, array: np.ndarray | None, ctype: str = "void *"):
-        if array is None:
-            return self.ffi.NULL
-        assert array.flags.c_contiguous
-        return self.ffi.cast(ctype, self.ffi.from_buffer(array))
-
-
 @functools.cache
 def kernel_lib(isa: str) -> KernelLib:
-    return KernelLib(isa)
+    return KernelLib(isa, grid_specs(isa))
 
 
 @pytest.fixture(scope="session", params=RUNNABLE)
@@ -147,10 +124,6 @@ def stored_and_f32(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
         s = f32_to_bf16(x)
         return s, bf16_to_f32(s)
     return np.ascontiguousarray(x, dtype=np.float32), x.astype(np.float32)
-
-
-def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.max(np.abs(got - ref))) / (float(np.max(np.abs(ref))) or 1.0)
 
 
 def random_routes(rng: np.random.Generator, T: int, E: int, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,14 +10,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import cffi
 import numpy as np
 import pytest
+from _kernel_lib import KernelLib, rel_err
 
 import infeng_compiler.codegen.quant_kernels  # noqa: F401  (registers the kernels)
 from infeng_common.errors import InfengError
-from infeng_compiler.codegen.build import build_library
-from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
+from infeng_compiler.codegen.kernels import KernelSpec, template_isa
 from infeng_compiler.codegen.quant_kernels import mxfp4_rows_prototype
 from infeng_compiler.codegen.target import TARGETS, host_features
 from infeng_compiler.quant.act import fake_quant, pack_act_rows
@@ -25,7 +24,6 @@ from infeng_compiler.quant.formats import MXFP4, get_format, is_quantized, mxfp4
 
 HOST = host_features()
 RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(HOST)]
-POOL_THREADS = 3
 F32_TOL = 1e-5                 # max abs error / max |reference|: only the float summation order differs
 
 # (K, N): one block, a partial group of 4 blocks (K = 96, 2880: GPT-OSS's hidden size), whole
@@ -102,37 +100,15 @@ def grid_specs(isa: str) -> list[KernelSpec]:
     return [KernelSpec.make("linear_mxfp4", isa, K=K, N=N, act=act) for K, N in LINEAR_SHAPES for act in ("f32", "q8")]
 
 
-class MXFP4Lib:
-    def __init__(self, isa: str):
-        self.isa = isa
-        specs = grid_specs(isa)
-        sources, baseline = library_sources(specs, TARGETS[isa])
-        build = build_library(sources, TARGETS[isa], baseline_sources=baseline)
-        self.ffi = cffi.FFI()
-        self.ffi.cdef(cdef(specs) + "".join(mxfp4_rows_prototype(s) + ";\n" for s in specs))
-        self.lib = self.ffi.dlopen(str(build.path))
-        self.pool = self.ffi.gc(self.lib.ife_pool_create(POOL_THREADS), self.lib.ife_pool_destroy)
-
-    def ptr(self, array: np.ndarray | None, ctype: str):
-        if array is None:
-            return self.ffi.NULL
-        assert array.flags.c_contiguous
-        return self.ffi.cast(ctype, self.ffi.from_buffer(array))
-
-
 @functools.cache
-def mxfp4_lib(isa: str) -> MXFP4Lib:
-    return MXFP4Lib(isa)
+def mxfp4_lib(isa: str) -> KernelLib:
+    specs = grid_specs(isa)
+    return KernelLib(isa, specs, "".join(mxfp4_rows_prototype(s) + ";\n" for s in specs))
 
 
 @pytest.fixture(scope="session", params=RUNNABLE)
-def mlib(request) -> MXFP4Lib:
+def mlib(request) -> KernelLib:
     return mxfp4_lib(request.param)
-
-
-def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
-    scale = float(np.max(np.abs(ref))) or 1.0
-    return float(np.max(np.abs(got.astype(np.float64) - ref.astype(np.float64)))) / scale
 
 
 def test_every_isa_has_a_template_path() -> None:
@@ -143,7 +119,7 @@ def test_every_isa_has_a_template_path() -> None:
 
 @pytest.mark.parametrize("act", ["f32", "q8"])
 @pytest.mark.parametrize("K,N", LINEAR_SHAPES)
-def test_linear_mxfp4(mlib: MXFP4Lib, K: int, N: int, act: str) -> None:
+def test_linear_mxfp4(mlib: KernelLib, K: int, N: int, act: str) -> None:
     """y = x @ dequantize(W)^T (+ bias): f32 activations as they are, q8 ones as the int8 rows stand
     for them (fake_quant); on every ISA and through the per-expert ``_rows`` entry too."""
     spec = KernelSpec.make("linear_mxfp4", mlib.isa, K=K, N=N, act=act)
@@ -177,7 +153,7 @@ def test_linear_mxfp4(mlib: MXFP4Lib, K: int, N: int, act: str) -> None:
         assert rel_err(y_rows[:, 1:N], ref[:, 1:] - bias[1:]) < F32_TOL, (mlib.isa, K, N, act, T)
 
 
-def test_stacked_experts_are_consecutive_matrices(mlib: MXFP4Lib) -> None:
+def test_stacked_experts_are_consecutive_matrices(mlib: KernelLib) -> None:
     """Expert e of a packed [E, N, K] stack is the [N, K] layout at e * nbytes / E (the experts driver's offset)."""
     E, N, K = 3, 33, 96
     spec = KernelSpec.make("linear_mxfp4", mlib.isa, K=K, N=N, act="f32")

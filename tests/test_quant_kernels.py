@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import functools
 
-import cffi
 import numpy as np
 import pytest
+from _kernel_lib import KernelLib, rel_err
 
 import infeng_compiler.codegen.quant_kernels  # noqa: F401  (registers the kernels)
 from infeng_compiler.codegen.build import build_library
-from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
+from infeng_compiler.codegen.kernels import KernelSpec, library_sources, template_isa
 from infeng_compiler.codegen.quant_kernels import linear_op
 from infeng_compiler.codegen.target import TARGETS, host_features
 from infeng_compiler.quant.act import act_row_layout, fake_quant, pack_act_rows
@@ -24,7 +24,6 @@ from infeng_compiler.quant.search import quantize
 HOST = host_features()
 RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(HOST)]
 COMPILE_ONLY = [t.name for t in TARGETS.values() if t.name not in RUNNABLE]
-POOL_THREADS = 3
 F32_TOL = 1e-5                 # max abs error / max |reference|
 
 # (K, N): K below, at and above a group; K not a multiple of 32 (padded formats) and N not of 16
@@ -51,41 +50,14 @@ def grid_specs(isa: str) -> list[KernelSpec]:
     return specs
 
 
-class QuantLib:
-    def __init__(self, isa: str):
-        self.isa = isa
-        self.target = TARGETS[isa]
-        specs = grid_specs(isa)
-        sources, baseline = library_sources(specs, self.target)
-        self.build = build_library(sources, self.target, baseline_sources=baseline)
-        self.ffi = cffi.FFI()
-        self.ffi.cdef(cdef(specs))
-        self.lib = self.ffi.dlopen(str(self.build.path))
-        self.pool = self.ffi.gc(self.lib.ife_pool_create(POOL_THREADS), self.lib.ife_pool_destroy)
-
-    def fn(self, spec: KernelSpec):
-        return getattr(self.lib, spec.symbol)
-
-    def ptr(self, array: np.ndarray | None, ctype: str):
-        if array is None:
-            return self.ffi.NULL
-        assert array.flags.c_contiguous
-        return self.ffi.cast(ctype, self.ffi.from_buffer(array))
-
-
 @functools.cache
-def quant_lib(isa: str) -> QuantLib:
-    return QuantLib(isa)
+def quant_lib(isa: str) -> KernelLib:
+    return KernelLib(isa, grid_specs(isa))
 
 
 @pytest.fixture(scope="session", params=RUNNABLE)
-def qlib(request) -> QuantLib:
+def qlib(request) -> KernelLib:
     return quant_lib(request.param)
-
-
-def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
-    scale = float(np.max(np.abs(ref))) or 1.0
-    return float(np.max(np.abs(got.astype(np.float64) - ref.astype(np.float64)))) / scale
 
 
 def test_every_isa_has_a_template_path() -> None:
@@ -99,7 +71,7 @@ def test_every_isa_has_a_template_path() -> None:
 
 
 @pytest.mark.parametrize("K,bits", ACT_CASES)
-def test_quantize_act_bit_exact(qlib: QuantLib, K: int, bits: int) -> None:
+def test_quantize_act_bit_exact(qlib: KernelLib, K: int, bits: int) -> None:
     spec = KernelSpec.make("quantize_act", qlib.isa, K=K, bits=bits, block=32 if bits == 8 else 0)
     rng = np.random.default_rng(K + bits)
     for T in TOKENS:
@@ -125,7 +97,7 @@ def _linear_case(name: str, K: int, N: int, seed: int):
 
 
 @pytest.mark.parametrize("name", QUANT_FORMATS)
-def test_linear_matches_dequantized_reference(qlib: QuantLib, name: str) -> None:
+def test_linear_matches_dequantized_reference(qlib: KernelLib, name: str) -> None:
     fmt = get_format(name)
     for K, N in LINEAR_SHAPES:
         if not fits(name, K):
@@ -152,7 +124,7 @@ def test_linear_matches_dequantized_reference(qlib: QuantLib, name: str) -> None
 
 
 @pytest.mark.parametrize("name", QUANT_FORMATS)
-def test_embedding_rows_exact(qlib: QuantLib, name: str) -> None:
+def test_embedding_rows_exact(qlib: KernelLib, name: str) -> None:
     spec = KernelSpec.make("embedding_q", qlib.isa, V=37, H=64, wformat=name)
     qt = quantize(np.random.default_rng(9).standard_normal((37, 64)).astype(np.float32), name, search=False)
     ids = np.array([0, 36, 17, 16, 15, -1, 40], np.int32)
@@ -183,7 +155,7 @@ def test_avx_vnni_is_chosen_where_the_cpu_has_it(monkeypatch) -> None:
 
 
 
-def _run_linear(qlib: QuantLib, spec: KernelSpec, rows: np.ndarray, packed: np.ndarray, bias: np.ndarray | None,
+def _run_linear(qlib: KernelLib, spec: KernelSpec, rows: np.ndarray, packed: np.ndarray, bias: np.ndarray | None,
                 N: int) -> np.ndarray:
     y = np.full((len(rows), N), np.nan, np.float32)
     rows = np.ascontiguousarray(rows)
@@ -193,7 +165,7 @@ def _run_linear(qlib: QuantLib, spec: KernelSpec, rows: np.ndarray, packed: np.n
 
 
 @pytest.mark.parametrize("name", QUANT_FORMATS)
-def test_linear_rows_do_not_depend_on_the_row_count(qlib: QuantLib, name: str) -> None:
+def test_linear_rows_do_not_depend_on_the_row_count(qlib: KernelLib, name: str) -> None:
     """A token row's outputs are the same bits whether the step has 1 row or many (greedy
     speculative decoding verifies drafted tokens in one step and must reproduce one-row decode)."""
     fmt = get_format(name)

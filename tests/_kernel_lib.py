@@ -1,0 +1,43 @@
+"""The kernel tests' library: a grid of KernelSpecs for one ISA, built once, loaded with cffi, with
+a pool of POOL_THREADS threads; and the error metric they share."""
+from __future__ import annotations
+
+import cffi
+import numpy as np
+
+from infeng_compiler.codegen.build import build_library
+from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources
+from infeng_compiler.codegen.target import TARGETS
+
+POOL_THREADS = 3          # more than the 2 cores of the CI machine: uneven ranges, preempted workers
+
+
+class KernelLib:
+    """``specs`` built for ``isa`` into one library; ``extra_cdef``: declarations beyond the
+    kernels' entry points (e.g. the per-expert ``_rows`` entries)."""
+
+    def __init__(self, isa: str, specs: list[KernelSpec], extra_cdef: str = ""):
+        self.isa = isa
+        self.target = TARGETS[isa]
+        sources, baseline = library_sources(specs, self.target)
+        self.build = build_library(sources, self.target, baseline_sources=baseline)
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(cdef(specs) + extra_cdef)
+        self.lib = self.ffi.dlopen(str(self.build.path))
+        self.pool = self.ffi.gc(self.lib.ife_pool_create(POOL_THREADS), self.lib.ife_pool_destroy)
+
+    def fn(self, spec: KernelSpec):
+        return getattr(self.lib, spec.symbol)
+
+    def ptr(self, array: np.ndarray | None, ctype: str = "void *"):
+        """A pointer to ``array``'s data (NULL for None); ``void *`` passes for any pointer argument."""
+        if array is None:
+            return self.ffi.NULL
+        assert array.flags.c_contiguous
+        return self.ffi.cast(ctype, self.ffi.from_buffer(array))
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    """max |got - ref| over max |ref| (in float64)."""
+    scale = float(np.max(np.abs(ref))) or 1.0
+    return float(np.max(np.abs(got.astype(np.float64) - ref.astype(np.float64)))) / scale

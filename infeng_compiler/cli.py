@@ -456,6 +456,23 @@ SPECULATIVE = typer.Option(None, "--speculative",
                                 "draft:ARTIFACT (a smaller model, same tokenizer); :K caps the draft length")
 
 
+#: Options `serve` and `serve-ray` share (each replica of serve-ray takes them as `serve` does).
+PORT = typer.Option(8000, "--port")
+MAX_CONTEXT = typer.Option(None, "--max-context", help="tokens per sequence (default: the model's)")
+SERVED_MODEL_NAME = typer.Option(None, "--served-model-name", help="the base model's id in the API")
+MAX_REQUEST_BYTES = typer.Option("4MiB", "--max-request-bytes", help="largest request body (413 beyond it)")
+NO_PREFIX_CACHE = typer.Option(False, "--no-prefix-cache", help="never share KV blocks")
+TRUST_REQUEST_CHAT_TEMPLATE = typer.Option(False, "--trust-request-chat-template",
+                                           help="run chat templates sent by clients")
+SHUTDOWN_TIMEOUT = typer.Option(30.0, "--shutdown-timeout",
+                                help="seconds running requests get to finish on SIGTERM/SIGINT")
+LOG_FORMAT = typer.Option("text", "--log-format", help="text (key=value) or json")
+LOG_LEVEL = typer.Option("info", "--log-level")
+ALWAYS_INCLUDE_USAGE = typer.Option(False, "--always-include-usage",
+                                    help="end every stream with a usage chunk, whether or not the request asks "
+                                         "(vLLM's --enable-force-include-usage)")
+
+
 @app.command("run")
 @fails_cleanly
 def run_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
@@ -512,11 +529,10 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                   adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: serve a LoRA adapter as model "
                                                                        "NAME (repeatable)"),
                   host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
-                  port: int = typer.Option(8000, "--port"),
+                  port: int = PORT,
                   threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
                   max_seqs: int = typer.Option(16, "--max-seqs", help="sequences batched together (KV slots)"),
-                  max_context: Optional[int] = typer.Option(None, "--max-context",
-                                                            help="tokens per sequence (default: the model's)"),
+                  max_context: Optional[int] = MAX_CONTEXT,
                   kv_memory: Optional[str] = typer.Option(None, "--kv-memory",
                                                           help="KV pool size, e.g. 512MiB (default: max-seqs x "
                                                                "max-context)"),
@@ -525,28 +541,20 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                   max_batched_tokens: Optional[int] = typer.Option(None, "--max-batched-tokens",
                                                                    help="token budget per step (default: the "
                                                                         "library's max tokens per call)"),
-                  no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="never share KV blocks"),
-                  served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
-                                                                  help="the base model's id in the API"),
+                  no_prefix_cache: bool = NO_PREFIX_CACHE,
+                  served_model_name: Optional[str] = SERVED_MODEL_NAME,
                   api_key: Optional[str] = typer.Option(None, "--api-key", envvar="INFENG_API_KEY",
                                                         help="require 'Authorization: Bearer KEY' on /v1 (prefer "
                                                              "the INFENG_API_KEY environment variable)"),
                   adapter_root: list[Path] = typer.Option([], "--adapter-root",
                                                           help="allow POST /v1/adapters to load adapter "
                                                                "directories under DIR (repeatable; off without it)"),
-                  trust_request_chat_template: bool = typer.Option(False, "--trust-request-chat-template",
-                                                                   help="run chat templates sent by clients"),
-                  max_request_bytes: str = typer.Option("4MiB", "--max-request-bytes",
-                                                        help="largest request body (413 beyond it)"),
-                  shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout",
-                                                         help="seconds running requests get to finish on "
-                                                              "SIGTERM/SIGINT"),
-                  log_format: str = typer.Option("text", "--log-format", help="text (key=value) or json"),
-                  log_level: str = typer.Option("info", "--log-level"),
-                  always_include_usage: bool = typer.Option(False, "--always-include-usage",
-                                                            help="end every stream with a usage chunk, whether or "
-                                                                 "not the request asks (vLLM's "
-                                                                 "--enable-force-include-usage)"),
+                  trust_request_chat_template: bool = TRUST_REQUEST_CHAT_TEMPLATE,
+                  max_request_bytes: str = MAX_REQUEST_BYTES,
+                  shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+                  log_format: str = LOG_FORMAT,
+                  log_level: str = LOG_LEVEL,
+                  always_include_usage: bool = ALWAYS_INCLUDE_USAGE,
                   speculative: Optional[str] = SPECULATIVE,
                   target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
                   max_adapters: int = typer.Option(0, "--max-adapters", min=0,
@@ -630,32 +638,25 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                                                           help="replicas of the router (the HTTP ingress; e.g. "
                                                                "one per node)"),
                       host: str = typer.Option("127.0.0.1", "--host", help="bind address of Ray's HTTP proxy"),
-                      port: int = typer.Option(8000, "--port"),
+                      port: int = PORT,
                       max_seqs: int = typer.Option(16, "--max-seqs", help="sequences batched per replica"),
-                      max_context: Optional[int] = typer.Option(None, "--max-context",
-                                                                help="tokens per sequence (default: the model's)"),
+                      max_context: Optional[int] = MAX_CONTEXT,
                       max_queue: int = typer.Option(256, "--max-queue",
                                                     help="waiting sequences per replica before 429"),
-                      served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
-                                                                      help="the base model's id in the API"),
+                      served_model_name: Optional[str] = SERVED_MODEL_NAME,
                       api_key: Optional[str] = typer.Option(None, "--api-key", envvar="INFENG_API_KEY",
                                                             help="require 'Authorization: Bearer KEY' on /v1"),
-                      max_request_bytes: str = typer.Option("4MiB", "--max-request-bytes",
-                                                            help="largest request body (413 beyond it)"),
+                      max_request_bytes: str = MAX_REQUEST_BYTES,
                       kv_memory: Optional[str] = typer.Option(None, "--kv-memory",
                                                               help="KV pool size per replica, e.g. 512MiB"),
                       max_batched_tokens: Optional[int] = typer.Option(None, "--max-batched-tokens",
                                                                        help="token budget per step"),
-                      no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="never share KV blocks"),
-                      trust_request_chat_template: bool = typer.Option(False, "--trust-request-chat-template",
-                                                                       help="run chat templates sent by clients"),
-                      shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout",
-                                                             help="seconds a stopping replica's requests get to "
-                                                                  "finish"),
-                      always_include_usage: bool = typer.Option(False, "--always-include-usage",
-                                                                help="end every stream with a usage chunk"),
-                      log_format: str = typer.Option("text", "--log-format", help="text (key=value) or json"),
-                      log_level: str = typer.Option("info", "--log-level"),
+                      no_prefix_cache: bool = NO_PREFIX_CACHE,
+                      trust_request_chat_template: bool = TRUST_REQUEST_CHAT_TEMPLATE,
+                      shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+                      always_include_usage: bool = ALWAYS_INCLUDE_USAGE,
+                      log_format: str = LOG_FORMAT,
+                      log_level: str = LOG_LEVEL,
                       speculative: Optional[str] = SPECULATIVE,
                       target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
                       max_adapters: int = typer.Option(0, "--max-adapters", min=0,

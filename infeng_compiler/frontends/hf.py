@@ -102,16 +102,20 @@ class _Builder:
             raise ModelFormatError(f"{self.cfg_path}: {key}={layers}, but the checkpoint holds tensors for "
                                    f"{len(indices)} layers")
 
-    def weight(self, g: Graph, name: str, shape: tuple[int, ...], transposed: bool = False) -> Weight:
-        if name in g.weights:
-            return g.weights[name]
+    def entry(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
+        """The checkpoint's tensor ``name``, stored with ``shape`` (one line naming it otherwise)."""
         entry = self.tensors.get(name)
         if entry is None:
             raise ModelFormatError(f"{self.source}: tensor {name} is missing from the checkpoint")
-        stored = tuple(reversed(shape)) if transposed else shape
-        if entry.shape != stored:
+        if entry.shape != shape:
             raise ModelFormatError(f"{entry.file}: tensor {name} has shape {list(entry.shape)} but config.json "
-                                   f"implies {list(stored)}")
+                                   f"implies {list(shape)}")
+        return entry
+
+    def weight(self, g: Graph, name: str, shape: tuple[int, ...], transposed: bool = False) -> Weight:
+        if name in g.weights:
+            return g.weights[name]
+        entry = self.entry(name, tuple(reversed(shape)) if transposed else shape)
         if self.expected_dtype and entry.dtype != self.expected_dtype:
             raise ModelFormatError(f"{entry.file}: tensor {name} is {entry.dtype} but config.json says "
                                    f"dtype {self.expected_dtype}")
@@ -154,7 +158,8 @@ class _Builder:
         if act != "silu":
             raise UnsupportedError(f"{self.cfg_path}: hidden_act={act!r} is not supported for {family} (silu only)")
         rope = self.rope_attrs(heads, head_dim)
-        qkv_bias = family == "qwen2" or bool(c.get("attention_bias")) or (family == "qwen2_moe" and c.get("qkv_bias", True))
+        qkv_bias = (family == "qwen2" or bool(c.get("attention_bias"))
+                    or (family == "qwen2_moe" and c.get("qkv_bias", True)))
         o_bias = family not in ("qwen2", "qwen2_moe") and bool(c.get("attention_bias"))
         if c.get("clip_qkv") is not None:
             raise UnsupportedError(f"{self.cfg_path}: clip_qkv is not supported")
@@ -292,19 +297,8 @@ class _Builder:
         """gate_up [E, 2I, H] (each expert's gate rows, then its up rows) and down [E, H, I] stacked from
         one tensor per expert and projection (``prefix{e}.{name}.weight``)."""
         gate, up, down = names
-
-        def entry(e: int, name: str, shape: tuple[int, int]) -> TensorEntry:
-            full = f"{prefix}{e}.{name}.weight"
-            t = self.tensors.get(full)
-            if t is None:
-                raise ModelFormatError(f"{self.source}: tensor {full} is missing from the checkpoint")
-            if t.shape != shape:
-                raise ModelFormatError(f"{t.file}: tensor {full} has shape {list(t.shape)} but config.json implies "
-                                       f"{list(shape)}")
-            return t
-
-        gate_up = [entry(e, n, (inter, hidden)) for e in range(n_experts) for n in (gate, up)]
-        downs = [entry(e, down, (hidden, inter)) for e in range(n_experts)]
+        gate_up = [self.entry(f"{prefix}{e}.{n}.weight", (inter, hidden)) for e in range(n_experts) for n in (gate, up)]
+        downs = [self.entry(f"{prefix}{e}.{down}.weight", (hidden, inter)) for e in range(n_experts)]
         return [self.stacked(g, f"{prefix}gate_up", gate_up, (n_experts, 2 * inter, hidden)),
                 self.stacked(g, f"{prefix}down", downs, (n_experts, hidden, inter))]
 
@@ -322,22 +316,14 @@ class _Builder:
         down_proj [E, I, H], stored [in, out], read as [E, out, in]; or, as openai/gpt-oss ships them,
         MXFP4 ``*_blocks`` / ``*_scales`` (already [E, out, in/32, ...]), kept as stored; their biases
         [E, 2I], [E, H]."""
-        def entry(name: str, shape: tuple[int, ...]) -> TensorEntry:
-            t = self.tensors.get(prefix + name)
-            if t is None:
-                raise ModelFormatError(f"{self.source}: tensor {prefix + name} is missing from the checkpoint")
-            if t.shape != shape:
-                raise ModelFormatError(f"{t.file}: tensor {prefix + name} has shape {list(t.shape)} but config.json "
-                                       f"implies {list(shape)}")
-            return t
-
         if prefix + "gate_up_proj_blocks" in self.tensors:          # MXFP4, as openai/gpt-oss ships them
             matrices = [self.mxfp4(g, prefix + "gate_up_proj", (n_experts, 2 * inter, hidden)),
                         self.mxfp4(g, prefix + "down_proj", (n_experts, hidden, inter))]
         else:
-            gate_up = entry("gate_up_proj", (n_experts, hidden, 2 * inter))
-            down = entry("down_proj", (n_experts, inter, hidden))
-            matrices = [self.stacked(g, prefix + "gate_up_proj", [gate_up], (n_experts, 2 * inter, hidden), swap_last=True),
+            gate_up = self.entry(prefix + "gate_up_proj", (n_experts, hidden, 2 * inter))
+            down = self.entry(prefix + "down_proj", (n_experts, inter, hidden))
+            matrices = [self.stacked(g, prefix + "gate_up_proj", [gate_up], (n_experts, 2 * inter, hidden),
+                                     swap_last=True),
                         self.stacked(g, prefix + "down_proj", [down], (n_experts, hidden, inter), swap_last=True)]
         return [*matrices, self.weight(g, prefix + "gate_up_proj_bias", (n_experts, 2 * inter)),
                 self.weight(g, prefix + "down_proj_bias", (n_experts, hidden))]
@@ -384,7 +370,8 @@ class _Builder:
             raise UnsupportedError(f"{self.cfg_path}: partial_rotary_factor is not supported")
         attrs: dict[str, Any] = {"head_dim": head_dim, "theta": float(theta)}
         if kind != "default":
-            attrs["scaling"] = {"rope_type": kind, **{k: v for k, v in scaling.items() if k not in ("type", "rope_type")}}
+            attrs["scaling"] = {"rope_type": kind,
+                                **{k: v for k, v in scaling.items() if k not in ("type", "rope_type")}}
         return attrs
 
     def sliding_windows(self, family: str, layers: int) -> list[int | None]:

@@ -47,7 +47,8 @@ ACT_QUANT = {"q4g32": [8, 32], "q8r": [16, 0]}
 #: ... except where a row's float value sits on a rounding boundary of its integer code (the kernel's
 #: f32 sums against the reference's): one code step, as tests/test_quant_compiled.py bounds it
 QUANT_TOL = {"q4g32": 1e-2, "q8r": 1e-3}
-ROUTER_CASES = [(4, 2, "softmax", True), (8, 3, "softmax", False), (5, 2, "topk_softmax", False), (32, 4, "softmax", True)]
+ROUTER_CASES = [(4, 2, "softmax", True), (8, 3, "softmax", False), (5, 2, "topk_softmax", False),
+                (32, 4, "softmax", True)]
 SWIGLU = {"alpha": 1.702, "limit": 7.0}
 SINK_CASES = [(4, 2, 16, 16, 0), (6, 2, 24, 8, 5), (2, 1, 64, 4, 3)]   # (heads, KV heads, head_dim, block, window)
 
@@ -126,6 +127,23 @@ def stored_and_f32(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(x, dtype=np.float32), x.astype(np.float32)
 
 
+def run_experts(klib: KernelLib, spec: KernelSpec, x: np.ndarray, rw: np.ndarray, ids: np.ndarray,
+                weights: tuple, row_floats: dict[str, int], k: int, I: int) -> np.ndarray:
+    """The experts kernel over ``x`` [T, H] routed by ``rw``/``ids``; ``weights``: gate_up, down and
+    their biases (None for none), as the kernel reads them; work buffers sized as the driver's plan."""
+    T, H = x.shape
+    work = {name: np.zeros(T * width, dtype=np.float32) for name, width in
+            (("pairs", k), ("xg", H), ("h", 2 * I), ("act", I), ("y", H),
+             ("xq", row_floats["x"]), ("actq", row_floats["act"])) if width}
+    out = np.full((T, H), np.nan, dtype=np.float32)
+    klib.fn(spec)(klib.pool, klib.ptr(x, "float *"), T, klib.ptr(rw, "float *"), klib.ptr(ids, "int32_t *"),
+                  *(klib.ptr(w) for w in weights),
+                  klib.ptr(work["pairs"], "int32_t *"), klib.ptr(work["xg"], "float *"), klib.ptr(work.get("xq")),
+                  klib.ptr(work["h"], "float *"), klib.ptr(work["act"], "float *"), klib.ptr(work.get("actq")),
+                  klib.ptr(work["y"], "float *"), klib.ptr(out, "float *"))
+    return out
+
+
 def random_routes(rng: np.random.Generator, T: int, E: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Distinct experts per token (some experts chosen by no token when T is small), weights in (0, 1)."""
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
@@ -144,8 +162,8 @@ def test_experts(klib: KernelLib, case: tuple, wdtype: str) -> None:
     rng = np.random.default_rng(E * H + I)
     gu, gu32 = stored_and_f32(rng.standard_normal((E, 2 * I, H), dtype=np.float32) * 0.3, wdtype)
     dn, dn32 = stored_and_f32(rng.standard_normal((E, H, I), dtype=np.float32) * 0.3, wdtype)
-    bias_pair = [stored_and_f32(rng.standard_normal(shape, dtype=np.float32), bdtype) for shape in ((E, 2 * I), (E, H))] \
-        if biases else [(None, None), (None, None)]
+    bias_pair = ([stored_and_f32(rng.standard_normal(shape, dtype=np.float32), bdtype)
+                  for shape in ((E, 2 * I), (E, H))] if biases else [(None, None), (None, None)])
     attrs = {"activation": activation, "gate_up": layout, **(SWIGLU if activation == "swiglu_clamp" else {})}
     if wdtype in ACT_QUANT:
         attrs["act_quant"] = ACT_QUANT[wdtype]
@@ -153,15 +171,7 @@ def test_experts(klib: KernelLib, case: tuple, wdtype: str) -> None:
     for T in TOKENS:
         x = rng.standard_normal((T, H), dtype=np.float32) * 2.0
         rw, ids = random_routes(rng, T, E, k)
-        work = {name: np.zeros(T * width, dtype=np.float32) for name, width in
-                (("pairs", k), ("xg", H), ("h", 2 * I), ("act", I), ("y", H),
-                 ("xq", row_floats["x"]), ("actq", row_floats["act"])) if width}
-        out = np.full((T, H), np.nan, dtype=np.float32)
-        klib.fn(spec)(klib.pool, klib.ptr(x, "float *"), T, klib.ptr(rw, "float *"), klib.ptr(ids, "int32_t *"),
-                      klib.ptr(gu), klib.ptr(dn), klib.ptr(bias_pair[0][0]), klib.ptr(bias_pair[1][0]),
-                      klib.ptr(work["pairs"], "int32_t *"), klib.ptr(work["xg"], "float *"), klib.ptr(work.get("xq")),
-                      klib.ptr(work["h"], "float *"), klib.ptr(work["act"], "float *"), klib.ptr(work.get("actq")),
-                      klib.ptr(work["y"], "float *"), klib.ptr(out, "float *"))
+        out = run_experts(klib, spec, x, rw, ids, (gu, dn, bias_pair[0][0], bias_pair[1][0]), row_floats, k, I)
         ws = [gu32, dn32] + ([bias_pair[0][1], bias_pair[1][1]] if biases else [])
         ref = REGISTRY["experts"].reference([x, rw, ids], ws, attrs, None)[0]
         assert rel_err(out, ref) <= tol, f"T={T}: error {rel_err(out, ref):.3g}"
@@ -268,14 +278,6 @@ def test_experts_mxfp4(klib: KernelLib, act: str) -> None:
     for T in TOKENS:
         x = rng.standard_normal((T, H), dtype=np.float32)
         rw, ids = random_routes(rng, T, E, k)
-        work = {name: np.zeros(T * width, dtype=np.float32) for name, width in
-                (("pairs", k), ("xg", H), ("h", 2 * I), ("act", I), ("y", H),
-                 ("xq", row_floats["x"]), ("actq", row_floats["act"])) if width}
-        out = np.full((T, H), np.nan, dtype=np.float32)
-        klib.fn(spec)(klib.pool, klib.ptr(x, "float *"), T, klib.ptr(rw, "float *"), klib.ptr(ids, "int32_t *"),
-                      klib.ptr(packed[0]), klib.ptr(packed[1]), klib.ptr(biases[0]), klib.ptr(biases[1]),
-                      klib.ptr(work["pairs"], "int32_t *"), klib.ptr(work["xg"], "float *"), klib.ptr(work.get("xq")),
-                      klib.ptr(work["h"], "float *"), klib.ptr(work["act"], "float *"), klib.ptr(work.get("actq")),
-                      klib.ptr(work["y"], "float *"), klib.ptr(out, "float *"))
+        out = run_experts(klib, spec, x, rw, ids, (packed[0], packed[1], biases[0], biases[1]), row_floats, k, I)
         ref = REGISTRY["experts"].reference([x, rw, ids], ws, attrs, None)[0]
         assert rel_err(out, ref) <= QUANT_TOL["q8r"], f"T={T}: error {rel_err(out, ref):.3g}"

@@ -31,6 +31,7 @@ from .ir import Graph, print_graph
 from .passes.kv_cache import kv_entries, kv_summary
 from .passes.manager import PassContext, PassManager, PassRecord, format_pipeline, parse_pipeline
 from .passes.quantize import QuantReport, quant_layout, quantize_entry
+from .quant.formats import get_format, is_quantized
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_BLOCK_SIZE = 16
@@ -81,7 +82,8 @@ class CompileOptions:
             entries.append(("lora-slots", [str(k), str(r)] + ([self.lora_targets] if self.lora_targets else [])))
         kv = kv_entries(self.kv, self.kv_window, self.calib, self.calib_max_bytes)
         weights_calibrated = self.quant is not None or self.quant_policy is not None
-        if self.calib is not None and not weights_calibrated and not any(a.startswith("calib=") for _, args in kv for a in args):
+        kv_calibrated = any(a.startswith("calib=") for _, args in kv for a in args)
+        if self.calib is not None and not weights_calibrated and not kv_calibrated:
             raise InfengError("--calib needs --quant (calibrated weight scales) or an int8/int4 --kv (K centring)")
         quantize = quantize_entry(self.quant, self.quant_policy, *((self.calib, self.calib_max_bytes)
                                                                    if weights_calibrated else (None, None)))
@@ -201,7 +203,9 @@ def replay_options(artifact: str | Path) -> tuple[Path, CompileOptions]:
 def check_finite(graph: Graph) -> None:
     """Refuse NaN or Inf in any weight (a model that would compute garbage), naming the tensor."""
     for name, weight in graph.weights.items():
-        if not np.isfinite(weight.numpy_f32()).all():
+        finite = (get_format(weight.format).all_finite(weight.quantized()) if is_quantized(weight.format)
+                  else np.isfinite(weight.numpy_f32()).all())
+        if not finite:
             raise ModelFormatError(f"{graph.meta.get('model_dir', graph.name)}: tensor {name} has non-finite values "
                                    f"(NaN or Inf)")
 

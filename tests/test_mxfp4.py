@@ -340,3 +340,21 @@ def test_tiny_checkpoint_matches_transformers(tiny_gpt_oss, tmp_path) -> None:
     assert rel_err(engine.step(ids, np.arange(n, dtype=np.int32), np.zeros(n, np.int32)), ref) < 1e-4
     steps = [engine.step(ids[i:i + 1], np.array([i], np.int32), np.array([1], np.int32)) for i in range(n)]
     assert rel_err(np.concatenate(steps), ref) < 1e-4
+
+
+def test_all_finite_without_dequantizing() -> None:
+    """Only an e8m0 scale of 0xFF (2^128) times an e2m1 code of magnitude 1 or more is not finite
+    (+-0 and +-0.5 stay finite); it agrees with the dequantized values, which ``infeng compile`` no
+    longer computes for MXFP4 weights."""
+    rng = np.random.default_rng(7)
+    blocks = rng.integers(0, 256, (3, 2, 16), dtype=np.uint8)
+    scales = rng.integers(100, 140, (3, 2), dtype=np.uint8)
+    for top_codes in (None, 0x00, 0x88, 0x91, 0x02, 0x30):
+        b, s = blocks.copy(), scales.copy()
+        if top_codes is not None:
+            s[1, 0] = 0xFF
+            b[1, 0] = top_codes            # +-0 and +-0.5 only (0x00, 0x88, 0x91); a 1.0 (0x02, 0x30)
+        qt = mxfp4_tensor(b, s)
+        with np.errstate(over="ignore"):
+            expected = bool(np.isfinite(MXFP4.dequantize(qt)).all())
+        assert MXFP4.all_finite(qt) == expected == (top_codes not in (0x02, 0x30)), top_codes

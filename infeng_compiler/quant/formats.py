@@ -175,6 +175,10 @@ class QuantFormat:
         centred = qt.codes.astype(np.float32) - zero                  # exact small integers
         return np.ascontiguousarray((centred * scale)[:, :K], dtype=np.float32)
 
+    def all_finite(self, qt: QuantizedTensor) -> bool:
+        """Whether every value of ``qt`` is finite (what ``infeng compile`` checks of each weight)."""
+        return bool(np.isfinite(self.dequantize(qt)).all())
+
     def pack(self, qt: QuantizedTensor) -> np.ndarray:
         """The packed bytes (uint8, ``nbytes(shape)`` long) that go into weights.bin."""
         return _pack(self, qt)
@@ -443,6 +447,13 @@ class MXFP4Format(QuantFormat):
             values *= _e8m0_values()[scales][..., None]
         return values.reshape(tuple(qt.shape))
 
+    def all_finite(self, qt: QuantizedTensor) -> bool:
+        """e2m1 values are finite and so is every e8m0 scale but 0xFF (2^128, beyond f32), which
+        overflows a code of magnitude 1 or more (magnitude bits 0x6 of a nibble set; 0.5 x 2^128 is
+        still finite): no dequantization (it took minutes for the 20B-shape experts)."""
+        top = np.asarray(qt.scales, dtype=np.uint8) == 0xFF
+        return not top.any() or not (np.asarray(qt.codes, dtype=np.uint8)[top] & 0x66).any()
+
     def pack(self, qt: QuantizedTensor) -> np.ndarray:
         _check_mxfp4(qt)
         matrices = int(np.prod(qt.shape[:-2], dtype=np.int64))
@@ -457,8 +468,8 @@ class MXFP4Format(QuantFormat):
         n_blocks = K // MXFP4_BLOCK
         per_matrix = data.reshape(int(np.prod(outer, dtype=np.int64)), -1)
         split = N * n_blocks * MXFP4_BLOCK_BYTES
-        return QuantizedTensor("mxfp4", tuple(shape), per_matrix[:, :split].reshape(*outer, N, n_blocks, MXFP4_BLOCK_BYTES),
-                               per_matrix[:, split:].reshape(*outer, N, n_blocks))
+        blocks = per_matrix[:, :split].reshape(*outer, N, n_blocks, MXFP4_BLOCK_BYTES)
+        return QuantizedTensor("mxfp4", tuple(shape), blocks, per_matrix[:, split:].reshape(*outer, N, n_blocks))
 
 
 MXFP4 = MXFP4Format("mxfp4", "mxfp4", 4, MXFP4_BLOCK)

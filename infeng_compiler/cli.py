@@ -72,7 +72,9 @@ class QuantPreset(str, Enum):
 
 
 # The compile options, shared by ``compile`` and ``ir`` (which runs the same pipeline).
-TARGET = typer.Option("native", "--target", help="scalar, avx2, avx512, avx512-vnni, avx512-bf16, amx, native")
+TARGET = typer.Option("native", "--target", help="native (the best this CPU runs), scalar, avx2, avx2-vnni, avx512, "
+                                                  "avx512-vnni, avx512-bf16, amx (tiles for many-row steps), amx-emu "
+                                                  "(the amx kernels, tile instructions emulated in C: tests only)")
 DTYPE = typer.Option(None, "--dtype", help="weight storage for matrices (default f32; given, it also widens "
                                             "a GGUF's Q8_0/Q4_0/Q4_1 matrices, which are kept exact otherwise)")
 PASSES = typer.Option(None, "--passes", help="explicit pass pipeline")

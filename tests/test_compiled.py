@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from infeng_compiler.cli import app
-from infeng_compiler.codegen.target import TARGETS, host_features
+from infeng_compiler.codegen.target import TARGETS, host_features, runnable_targets
 from infeng_compiler.compile import CompileOptions, compile_model
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter
@@ -23,7 +23,7 @@ from infeng_compiler.passes.cast_weights import CastWeights
 from infeng_compiler.passes.manager import PassManager, parse_pipeline
 from infeng_runtime.engine import CPUFeatureError, Engine
 
-RUNNABLE_ISAS = [name for name, t in TARGETS.items() if not t.compile_only and not t.missing_features(host_features())]
+RUNNABLE_ISAS = runnable_targets()
 FAMILIES = ("llama", "llama3-rope", "mistral", "qwen2", "gpt2")
 
 

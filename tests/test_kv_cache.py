@@ -31,7 +31,7 @@ from infeng_common.errors import InfengError
 from infeng_compiler.cli import app
 from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
-from infeng_compiler.codegen.target import TARGETS, host_features
+from infeng_compiler.codegen.target import TARGETS, runnable_targets
 from infeng_compiler.compile import CompileOptions, compile_model
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter, KVStore, Step
@@ -42,7 +42,7 @@ from infeng_compiler.passes.manager import PassContext, PassManager, parse_pipel
 from infeng_compiler.quant import kv as kvq
 from infeng_runtime.engine import Engine
 
-RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(host_features())]
+RUNNABLE = runnable_targets()
 KERNEL_TOL = 1e-5
 FOLD_TOL = 1e-5
 COMPILED_TOL = 1e-2

@@ -16,7 +16,7 @@ from _kernel_lib import KernelLib, rel_err
 
 from infeng_compiler.codegen.kernels import KernelSpec, template_isa
 from infeng_compiler.codegen.moe_kernels import expert_linears, quantized_row_floats
-from infeng_compiler.codegen.target import TARGETS, host_features
+from infeng_compiler.codegen.target import host_features, runnable_targets
 from infeng_compiler.interp import KVStore, Step
 from infeng_compiler.ir.moe_ops import route
 from infeng_compiler.ir.ops import REGISTRY
@@ -25,7 +25,7 @@ from infeng_compiler.quant.formats import get_format, is_quantized, mxfp4_tensor
 from infeng_compiler.quant.search import quantize
 
 HOST = host_features()
-RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(HOST)]
+RUNNABLE = runnable_targets(HOST)
 F32_TOL = 1e-5            # max abs error / max |reference|
 BF16_DOT_TOL = 2e-2
 TOKENS = [1, 2, 5, 17, 70]          # decode, batched decode, the packed GEMM path of the linear kernels

@@ -18,12 +18,12 @@ import infeng_compiler.codegen.quant_kernels  # noqa: F401  (registers the kerne
 from infeng_common.errors import InfengError
 from infeng_compiler.codegen.kernels import KernelSpec, template_isa
 from infeng_compiler.codegen.quant_kernels import mxfp4_rows_prototype
-from infeng_compiler.codegen.target import TARGETS, host_features
+from infeng_compiler.codegen.target import TARGETS, host_features, runnable_targets
 from infeng_compiler.quant.act import fake_quant, pack_act_rows
 from infeng_compiler.quant.formats import MXFP4, get_format, is_quantized, mxfp4_quantize, mxfp4_tensor, mxfp4_to_ggml
 
 HOST = host_features()
-RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(HOST)]
+RUNNABLE = runnable_targets(HOST)
 F32_TOL = 1e-5                 # max abs error / max |reference|: only the float summation order differs
 
 # (K, N): one block, a partial group of 4 blocks (K = 96, 2880: GPT-OSS's hidden size), whole

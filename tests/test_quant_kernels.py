@@ -16,14 +16,14 @@ import infeng_compiler.codegen.quant_kernels  # noqa: F401  (registers the kerne
 from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import KernelSpec, library_sources, template_isa
 from infeng_compiler.codegen.quant_kernels import linear_op
-from infeng_compiler.codegen.target import TARGETS, host_features
+from infeng_compiler.codegen.target import TARGETS, host_features, runnable_targets
 from infeng_compiler.quant.act import act_row_layout, fake_quant, pack_act_rows
 from infeng_compiler.quant.formats import QUANT_FORMATS, get_format
 from infeng_compiler.quant.search import quantize
 
 HOST = host_features()
-RUNNABLE = [t.name for t in TARGETS.values() if not t.compile_only and not t.missing_features(HOST)]
-COMPILE_ONLY = [t.name for t in TARGETS.values() if t.name not in RUNNABLE]
+RUNNABLE = runnable_targets(HOST)
+COMPILE_ONLY = [name for name, t in TARGETS.items() if t.missing_features(HOST)]
 F32_TOL = 1e-5                 # max abs error / max |reference|
 
 # (K, N): K below, at and above a group; K not a multiple of 32 (padded formats) and N not of 16

@@ -1,6 +1,6 @@
 """target.py and the C CPU check: host detection, the INFENG_CPU_FEATURES override (it only takes
 features away), the AMX check (CPUID, XCR0, the kernel's permission: every branch on any host), unknown
-and compile-only targets."""
+targets, and amx / amx-emu."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,15 @@ import pytest
 from infeng_common.errors import UnsupportedError
 from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources
-from infeng_compiler.codegen.target import AMX_FEATURES, FEATURES_ENV, TARGETS, get_target, host_features, native_target
+from infeng_compiler.codegen.target import (
+    AMX_FEATURES,
+    FEATURES_ENV,
+    TARGETS,
+    get_target,
+    host_features,
+    native_target,
+    runnable_targets,
+)
 
 HOST = host_features()
 
@@ -25,7 +33,9 @@ AVX512 = AVX2 + ",avx512f,avx512bw,avx512dq,avx512vl"
     ("avx2,fma", "scalar"),                                  # no f16c: AVX2 target needs all three
     (AVX512, "avx512"),
     (AVX512 + ",avx512_vnni", "avx512-vnni"),
-    (AVX512 + ",avx512_vnni,avx512_bf16,amx_tile,amx_int8,amx_bf16", "avx512-bf16"),   # amx never native
+    (AVX512 + ",avx512_vnni,avx512_bf16", "avx512-bf16"),                              # amx-emu never native
+    (AVX512 + ",avx512_vnni,avx512_bf16,amx_tile,amx_int8,amx_bf16", "amx"),
+    (AVX512 + ",avx512_vnni,avx512_bf16,amx_tile,amx_int8", "avx512-bf16"),            # all three AMX units
 ])
 def test_native_selection(monkeypatch: pytest.MonkeyPatch, features: str, expected: str):
     if not set(TARGETS[expected].features) <= HOST:
@@ -37,7 +47,7 @@ def test_native_selection(monkeypatch: pytest.MonkeyPatch, features: str, expect
 
 def test_native_runs_on_this_host():
     target = native_target()
-    assert not target.compile_only and not target.missing_features(host_features())
+    assert not target.emulated and not target.missing_features(host_features())
 
 
 def test_unknown_target():
@@ -45,11 +55,22 @@ def test_unknown_target():
         get_target("avx1024")
 
 
-def test_amx_is_refused_for_running():
-    amx = get_target("amx")                                  # fine for a compile check
-    assert "compile-checked only" in amx.description
-    with pytest.raises(UnsupportedError, match="can only be compile-checked here"):
-        get_target("amx", for_running=True)
+def test_amx_runs_only_where_usable():
+    """amx runs where the host has all three AMX units (and the kernel's permission); elsewhere it
+    is refused naming what is missing. amx-emu runs wherever avx512-bf16 does and finds the amx
+    kernel templates first."""
+    amx = get_target("amx")                                  # any host builds it
+    if AMX_FEATURES <= HOST:
+        assert get_target("amx", for_running=True) is amx
+    else:
+        with pytest.raises(UnsupportedError, match="needs CPU features this host lacks: .*amx_"):
+            get_target("amx", for_running=True)
+    emu = get_target("amx-emu")
+    assert emu.emulated and emu.features == TARGETS["avx512-bf16"].features and "-DIFE_AMX_EMULATE" in emu.cflags
+    assert emu.lineage()[:3] == ["amx-emu", "amx", "avx512-bf16"]
+    assert "amx-emu" not in runnable_targets(HOST | AMX_FEATURES)
+    if not emu.missing_features(HOST):
+        assert get_target("amx-emu", for_running=True) is emu
 
 
 def test_override_only_removes_features(monkeypatch: pytest.MonkeyPatch):

@@ -5,6 +5,10 @@ variable ``INFENG_CPU_FEATURES`` (comma-separated feature names) can only take f
 the host's list, here and in the C check ``ife_cpu_check`` of every built library, so tests can
 simulate a weaker CPU, never a stronger one. The AMX features count only where the kernel also
 grants the tile data permission (the C check asks CPUID and XCR0 as well, docs/codegen.md).
+
+``amx-emu`` builds the ``amx`` kernels with every tile instruction emulated in C (``IFE_AMX_EMULATE``
+in ife_kernels.h), so their blocking, layouts and epilogues run and are tested on hosts without AMX;
+it needs only ``avx512-bf16``'s features, is slow, and ``native`` never picks it.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ class Target:
     features: tuple[str, ...]
     description: str
     base: str | None = None          # the next lower target (kernel templates fall back along it)
-    compile_only: bool = False       # built and compile-checked, never run on this project's hosts
+    emulated: bool = False           # instructions emulated in C: for tests, never picked by native
 
     def missing_features(self, host: frozenset[str] | None = None) -> list[str]:
         """The features this target needs that ``host`` (default: this machine) lacks."""
@@ -67,12 +71,15 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            base="avx512-vnni"),
     Target("amx", _BF16_FLAGS + ("-mamx-tile", "-mamx-int8", "-mamx-bf16"),
            _BF16_FEATURES + ("amx_tile", "amx_int8", "amx_bf16"),
-           "AMX tiles (compile-checked only: the development hosts have no AMX, so nothing built "
-           "for it has ever run)", base="avx512-bf16", compile_only=True),
+           "AVX-512 + AMX: steps of many token rows multiply int8 and bf16 tiles (tdpbsud, tdpbssd, "
+           "tdpbf16ps); fewer rows take the avx512-bf16 kernels", base="avx512-bf16"),
+    Target("amx-emu", _BF16_FLAGS + ("-DIFE_AMX_EMULATE",), _BF16_FEATURES,
+           "the amx kernels with each tile instruction emulated in C, for tests on hosts without AMX "
+           "(slow; never picked by native)", base="amx", emulated=True),
 )}
 
-#: Runnable targets, best first: what ``native_target`` walks.
-_PREFERENCE = ("avx512-bf16", "avx512-vnni", "avx512", "avx2-vnni", "avx2", "scalar")
+#: Runnable targets, best first: what ``native_target`` walks (never an emulated one).
+_PREFERENCE = ("amx", "avx512-bf16", "avx512-vnni", "avx512", "avx2-vnni", "avx2", "scalar")
 
 
 #: AMX features (/proc/cpuinfo names): usable only with the kernel's tile data permission.
@@ -130,11 +137,18 @@ def native_target() -> Target:
     raise AssertionError("the scalar target needs no feature")
 
 
+def runnable_targets(host: frozenset[str] | None = None) -> list[str]:
+    """The targets whose libraries run on ``host`` (default: this machine), without the emulated
+    ones (their other kernels are their base target's: a test grid would run those twice)."""
+    have = host_features() if host is None else host
+    return [name for name, t in TARGETS.items() if not t.emulated and not t.missing_features(have)]
+
+
 def get_target(name: str, *, for_running: bool = False) -> Target:
     """The target called ``name`` (``native`` picks the host's best).
 
-    With ``for_running`` the target must also run here: a compile-only target (amx) or one whose
-    features the host lacks raises ``UnsupportedError``.
+    With ``for_running`` the target must also run here: one whose features the host lacks raises
+    ``UnsupportedError``.
     """
     if name == "native":
         return native_target()
@@ -150,9 +164,6 @@ def get_target(name: str, *, for_running: bool = False) -> Target:
 
 def check_runnable(target: Target) -> None:
     """Raise ``UnsupportedError`` unless libraries built for ``target`` can run on this host."""
-    if target.compile_only:
-        raise UnsupportedError(f"target {target.name!r} can only be compile-checked here: "
-                               f"AMX kernels are built but never run; pick --target native or avx512-bf16")
     missing = target.missing_features()
     if missing:
         raise UnsupportedError(f"target {target.name!r} needs CPU features this host lacks: "

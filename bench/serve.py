@@ -23,6 +23,13 @@ With ``--ray``, the same clients also stream through ``infeng serve-ray`` (``--r
 
     python bench/serve.py --artifact stories.infeng --streams 16 --threads 2 --ray --no-peer
 
+With ``--split N``, the same clients also stream to N plain ``infeng serve`` processes of
+``--threads / N`` threads each, pinned to their share of the cores, prompt i to process i mod N:
+``split_tok_s`` and ``split_ratio`` (over one ``infeng serve`` with ``--threads``), what replicas give
+on this machine with no Ray process in the way, e.g.
+
+    python bench/serve.py --artifact stories.infeng --streams 16 --threads 2 --ray --split 2 --no-peer
+
 With ``--baseline-tree DIR`` (a checkout of an older commit, e.g. ``git worktree add /tmp/old
 COMMIT``), the same artifact is also served by that tree's runtime, in the same alternating rounds:
 ``median_step_overhead_us``, ``baseline_median_step_overhead_us`` and ``overhead_ratio`` (this tree
@@ -71,9 +78,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 3
 
 
 def start_infeng(artifact: Path, args, log: Path, env: dict[str, str] | None = None,
-                 cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
+                 cwd: Path | None = None, cmd_prefix: list[str] = ()) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "infeng_compiler.cli", "serve", str(artifact), "--port", str(port),
+    cmd = [*cmd_prefix, sys.executable, "-m", "infeng_compiler.cli", "serve", str(artifact), "--port", str(port),
            "--threads", str(args.threads), "--max-seqs", str(max(args.streams)), "--log-level", "warning",
            "--max-context", str(args.prompt_len + args.max_tokens + 16)]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
@@ -110,6 +117,25 @@ def start_ray(artifact: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             env={**os.environ, "RAY_ADDRESS": ""})
     return proc, f"http://127.0.0.1:{port}"
+
+
+def start_split(artifact: Path, args, log: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    """``--split N``: N plain ``infeng serve`` processes of ``--threads / N`` threads, each confined
+    to its own share of this process's CPUs: replicas without Ray, the most any replica scheme on
+    this machine could reach (each process reads all the weights every step for its share of the
+    streams)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    n = args.split
+    share = max(1, args.threads // n)
+    procs, urls = [], []
+    for i in range(n):
+        mine = {str(c) for c in cpus[i * len(cpus) // n:(i + 1) * len(cpus) // n]} or {str(cpus[i % len(cpus)])}
+        one = argparse.Namespace(**{**vars(args), "threads": share})
+        proc, url = start_infeng(artifact, one, log.with_name(f"{log.stem}-{i}.log"),
+                                 cmd_prefix=["taskset", "-c", ",".join(sorted(mine))])
+        procs.append(proc)
+        urls.append(url)
+    return procs, urls
 
 
 def start_llama_server(gguf: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
@@ -156,12 +182,21 @@ async def one_stream(client: httpx.AsyncClient, model: str, prompt: list[int], m
     return t0, arrivals, tokens or len(arrivals)
 
 
-async def run_level(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+async def run_level(url: str | list[str], model: str, prompts: list[list[int]], max_tokens: int
+                    ) -> dict[str, float]:
+    """All ``prompts`` streamed at once; with several ``url``s (``--split``) prompt i goes to
+    ``url[i % len(url)]``."""
+    urls = [url] if isinstance(url, str) else url
     limits = httpx.Limits(max_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    clients = [httpx.AsyncClient(base_url=u, timeout=600, limits=limits) for u in urls]
+    try:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_stream(client, model, p, max_tokens) for p in prompts))
+        results = await asyncio.gather(*(one_stream(clients[i % len(clients)], model, p, max_tokens)
+                                         for i, p in enumerate(prompts)))
         wall = time.perf_counter() - t0
+    finally:
+        for client in clients:
+            await client.aclose()
     total = sum(r[2] for r in results)
     ttft = [r[1][0] - r[0] for r in results if r[1]]
     itl = [b - a for r in results for a, b in zip(r[1], r[1][1:])]
@@ -170,11 +205,12 @@ async def run_level(url: str, model: str, prompts: list[list[int]], max_tokens: 
             "itl_ms_p50": 1e3 * float(np.median(itl)) if itl else None}
 
 
-def model_id(url: str) -> str:
+def model_id(url: str | list[str]) -> str:
+    url = url if isinstance(url, str) else url[0]
     return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def run_server_level(kind: str, url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+def run_server_level(kind: str, url: str | list[str], prompts: list[list[int]], max_tokens: int) -> dict:
     ours = kind in ("infeng", "baseline")
     before = scrape(url) if ours else {}
     result = asyncio.run(run_level(url, model_id(url), prompts, max_tokens))
@@ -284,6 +320,9 @@ def main() -> None:
                                                         "replicas, same clients, same rounds)")
     ap.add_argument("--ray-replicas", type=int, default=2)
     ap.add_argument("--ray-threads", type=int, default=1, help="threads (Ray CPUs) per replica")
+    ap.add_argument("--split", type=int, default=0,
+                    help="also serve the artifact with this many plain infeng serve processes of --threads / N "
+                         "threads each, pinned to their cores, the clients split among them (replicas without Ray)")
     ap.add_argument("--scheduler-only", action="store_true",
                     help="only the scheduler's Python time per step, over a stub engine (no server, no kernels)")
     args = ap.parse_args()
@@ -305,14 +344,16 @@ def main() -> None:
         return
     servers = [("infeng", start_infeng, artifact)] + ([("llama-server", start_llama_server, gguf)] if gguf else []) \
         + ([("baseline", start_baseline, artifact)] if args.baseline_tree else []) \
-        + ([("ray", start_ray, artifact)] if args.ray else [])
+        + ([("ray", start_ray, artifact)] if args.ray else []) \
+        + ([("split", start_split, artifact)] if args.split else [])
     procs, urls = [], {}
     try:
         for kind, start, path in servers:
             log = Path(args.workdir) / f"serve-{kind}.log"
-            proc, url = start(path, args, log)
-            procs.append(proc)
-            wait_healthy(url, proc, log)
+            started, url = start(path, args, log)
+            for proc, one in zip(started, url) if isinstance(url, list) else [(started, url)]:
+                procs.append(proc)
+                wait_healthy(one, proc, log)
             urls[kind] = url
         rng = np.random.default_rng(0)
         for url in urls.values():                          # warm up
@@ -336,6 +377,12 @@ def main() -> None:
                 row.update(ray_replicas=args.ray_replicas, ray_threads=args.ray_threads,
                            ray_tok_s=round(ray["tok_s"], 2), ray_ratio=round(ray["tok_s"] / ours["tok_s"], 3),
                            ray_ttft_ms_p50=round(ray["ttft_ms_p50"], 1), ray_itl_ms_p50=round(ray["itl_ms_p50"], 2))
+            if "split" in runs:
+                split = median_run(runs["split"])
+                row.update(split_processes=args.split, split_threads=max(1, args.threads // args.split),
+                           split_tok_s=round(split["tok_s"], 2), split_ratio=round(split["tok_s"] / ours["tok_s"], 3),
+                           split_ttft_ms_p50=round(split["ttft_ms_p50"], 1),
+                           split_itl_ms_p50=round(split["itl_ms_p50"], 2))
             if "baseline" in runs:
                 base = median_run(runs["baseline"])
                 ours_us = float(np.median([r["step_overhead_us"] for r in runs["infeng"]]))

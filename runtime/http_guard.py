@@ -17,13 +17,19 @@ A refused request's body is read and dropped (up to ``DRAIN_BYTES``) before the 
 client, still writing, reads the error instead of a reset connection.
 
 ``AdapterRoots`` confines runtime adapter loads (``POST /v1/adapters``) to directories under the
-roots given with ``--adapter-root``.
+roots given with ``--adapter-root``, and reads them through a private copy made from files checked
+after they were opened (no window between the check and the read).
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
-from collections.abc import Iterable
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +43,8 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 #: How much of a refused request's body is read and dropped so that the client reads the answer.
 DRAIN_BYTES = 64 * 2 ** 20
 LOOPBACK_NAMES = frozenset({"localhost", "localhost."})
+#: Bytes per read while an adapter's files are copied (AdapterRoots.snapshot).
+COPY_CHUNK = 1 << 20
 
 
 def is_loopback_address(host: str) -> bool:
@@ -203,8 +211,7 @@ class AdapterRoots:
     def confine(self, given: str) -> Path:
         """The resolved directory for a client's ``path`` (absolute, or relative to a root);
         APIError 403 when it is not under a root."""
-        refused = APIError(403, f"the adapter path {given!r} is not under an adapter root of this server "
-                                f"(--adapter-root)", param="path", code="adapter_path_forbidden")
+        refused = _outside_roots(given)
         if "\0" in given:
             raise refused
         path = Path(given)                      # never expanduser: "~user" would tell which users exist
@@ -234,3 +241,58 @@ class AdapterRoots:
                     if not self._inside(target):
                         raise refused
         return resolved
+
+    @contextlib.contextmanager
+    def snapshot(self, given: str) -> Iterator[Path]:
+        """A private copy of the adapter directory ``given`` names (``confine``'s rules), for the
+        loader to read, removed afterwards. The directory and each regular file in it are opened
+        once and accepted only where they are after opening (``/proc/self/fd``), and the copy is
+        made from those open files: a symlink inside a root swapped between the check and the read
+        cannot make the server read anything outside the roots. A directory that cannot be opened
+        gives an empty copy (the loader then says what is missing, as for any missing file)."""
+        resolved = self.confine(given)
+        with tempfile.TemporaryDirectory(prefix="infeng-adapter-") as private:
+            copy = Path(private)
+            try:
+                dir_fd = os.open(resolved, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                yield copy
+                return
+            try:
+                self._check_opened(dir_fd, given)
+                for name in os.listdir(dir_fd):
+                    self._copy_entry(dir_fd, name, copy / name, given)
+            finally:
+                os.close(dir_fd)
+            yield copy
+
+    def _check_opened(self, fd: int, given: str) -> None:
+        """APIError 403 unless the open file ``fd`` lies under a root now."""
+        try:
+            where = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            where = None
+        if where is None or not self._inside(where):
+            raise _outside_roots(given)
+
+    def _copy_entry(self, dir_fd: int, name: str, to: Path, given: str) -> None:
+        """Copy the entry ``name`` of the open directory to ``to`` if it is a regular file under a
+        root (never blocking on a FIFO or a device; subdirectories are not part of an adapter)."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dir_fd)
+        except OSError:
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return
+            self._check_opened(fd, given)
+            with os.fdopen(os.dup(fd), "rb") as source, open(to, "wb") as target:
+                shutil.copyfileobj(source, target, COPY_CHUNK)
+        finally:
+            os.close(fd)
+
+
+def _outside_roots(given: str) -> APIError:
+    """The one refusal of an adapter path, whether or not it exists."""
+    return APIError(403, f"the adapter path {given!r} is not under an adapter root of this server (--adapter-root)",
+                    param="path", code="adapter_path_forbidden")

@@ -1156,11 +1156,13 @@ class Server:
                                 f"and no '/'", param="name")
         if name == self.model_name:
             raise APIError(400, f"{name!r} is the base model's name", param="name")
-        path = self.adapter_roots.confine(given)
         try:
-            slot = await asyncio.wrap_future(self.loop.load_adapter(name, path, body.scale))
+            with self.adapter_roots.snapshot(given) as path:     # a private copy of the files checked
+                slot = await asyncio.wrap_future(self.loop.load_adapter(name, path, body.scale))
         except InfengError as e:
             raise APIError(400, str(e).replace(str(path), given), param="path", code="adapter_load_failed") from None
+        except APIError:
+            raise
         except Exception as e:                      # a file the readers choke on (safetensors, OS errors)
             raise APIError(400, f"the adapter at {given!r} cannot be read ({type(e).__name__})", param="path",
                            code="adapter_load_failed") from None

@@ -201,6 +201,35 @@ def test_adapter_load_under_a_root(server, roots, client):
     assert missing["code"] == "adapter_load_failed" and str(root) not in missing["message"]
 
 
+def test_adapter_snapshot_reads_the_files_it_checked(tmp_path, monkeypatch):
+    """Runtime loads read a private copy made from the opened files, each accepted by where it is
+    after opening: a file swapped for a symlink to outside once the path was checked is refused
+    (the race simulated by a confine that checks nothing), a later swap does not reach the copy,
+    and a FIFO in the directory is skipped without blocking."""
+    import os
+
+    from infeng_runtime.api_errors import APIError
+    from infeng_runtime.http_guard import AdapterRoots
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    good = write_adapter(root / "good", seed=310)
+    secret = write_adapter(outside / "secret", seed=311)
+    os.mkfifo(good / "a-fifo")
+    roots = AdapterRoots([root])
+    original = (good / "adapter_model.safetensors").read_bytes()
+    with roots.snapshot("good") as copy:
+        assert sorted(f.name for f in copy.iterdir()) == sorted(f.name for f in good.iterdir() if f.is_file())
+        (good / "adapter_model.safetensors").unlink()
+        (good / "adapter_model.safetensors").symlink_to(secret / "adapter_model.safetensors")
+        assert (copy / "adapter_model.safetensors").read_bytes() == original
+    assert not copy.exists()                                          # removed after the load
+    monkeypatch.setattr(AdapterRoots, "confine", lambda self, given: root / given)
+    with pytest.raises(APIError) as refused:
+        with roots.snapshot("good"):
+            pass
+    assert refused.value.status == 403 and str(outside) not in refused.value.message
+
+
 def test_adapter_with_nan_weights_is_refused_naming_the_tensor(server, roots):
     error = error_of(post(server, "/v1/adapters", {"name": "nan", "path": "nan-weights"}), 400)
     assert error["code"] == "adapter_load_failed"

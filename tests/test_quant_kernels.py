@@ -25,6 +25,7 @@ HOST = host_features()
 RUNNABLE = runnable_targets(HOST)
 COMPILE_ONLY = [name for name, t in TARGETS.items() if t.missing_features(HOST)]
 F32_TOL = 1e-5                 # max abs error / max |reference|
+AMX_OPS = ("linear_q4",)       # the ops with AMX templates (tests/test_amx.py)
 
 # (K, N): K below, at and above a group; K not a multiple of 32 (padded formats) and N not of 16
 # rows; N large enough for work items of 4 blocks (520: 33 blocks, a tail item of 1) and of 2 (272)
@@ -67,6 +68,8 @@ def test_every_isa_has_a_template_path() -> None:
                                                {"K": 64, "N": 16, "wformat": {"linear_q4": "q4g32", "linear_q8": "q8r",
                                                                               "linear_f8": "f8e4m3"}[op]}))
             expect = "scalar" if isa == "scalar" else ("avx2" if isa.startswith("avx2") else "avx512")
+            if isa.startswith("amx") and op in AMX_OPS:
+                expect = "amx"
             assert template_isa(spec) == expect, (op, isa)
 
 

@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | ``quantize_act`` | f32 rows -> int8 blocks of 32 (scales, sums) or int16 rows (one scale) | scalar, avx2, avx512 |
 | ``dequantize_act`` | those rows -> the f32 values they stand for (LoRA deltas read them) | scalar |
-| ``linear_q4`` | int4 weights (q4gG, q4gGa) x int8 activations (``vpdpbusd``) | scalar, avx2, avx512 |
+| ``linear_q4`` | int4 weights (q4gG, q4gGa) x int8 activations (``vpdpbusd``, ``tdpbsud``) | scalar ... amx |
 | ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``) | scalar, avx2, avx512 |
 | ``linear_f8`` | fp8 e4m3 weights x f32 activations (widened through f16 in registers) | scalar, avx2, avx512 |
 | ``embedding_q`` | rows of a quantized table, dequantized | scalar |
@@ -12,7 +12,8 @@
 
 The avx512 templates use VNNI when the target has it (``avx512-vnni`` and above: ``__AVX512VNNI__``)
 and the AVX-512BW multiply-add pairs otherwise; the avx2 templates use AVX-VNNI under
-``__AVXVNNI__`` (target ``avx2-vnni``) and AVX2 multiply-add pairs otherwise. Weight and
+``__AVXVNNI__`` (target ``avx2-vnni``) and AVX2 multiply-add pairs otherwise. The amx templates run
+the avx512 code below ``AMX_MIN_T_*`` token rows and AMX tiles from there on (docs/codegen.md). Weight and
 activation byte layouts: ``quant/formats.py`` and ``quant/act.py`` (docs/quantization.md).
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .kernels import OPS, KernelSpec, _all, _expect, _OpKernel, _positive
 #: per work item and per single-token tile, RB_MULTI blocks per tile of several token rows). The
 #: accumulators, the unpacked weights and the broadcasts fit the 32 AVX-512 registers; AVX2 splits
 #: a block of 16 rows into two 8-lane halves (RB = 1).
-_TILES = {"scalar": (1, 1, 1), "avx2": (4, 1, 1), "avx512": (4, 4, 2)}
+_TILES = {"scalar": (1, 1, 1), "avx2": (4, 1, 1), "avx512": (4, 4, 2), "amx": (4, 4, 2)}
 #: Software prefetch distance along a block of weight codes (0: none), bytes.
 PREFETCH_BYTES = 0
 #: Software prefetch distance of the int4 decode path (AVX-512), bytes: measured best of 256-2048
@@ -36,6 +37,17 @@ GEMV_PREFETCH_BYTES = 512
 #: Independent partial sums per output along K in the fp8 kernels, the same for every number of
 #: token rows in a tile, so that a row's result does not depend on how many rows the step has.
 F8_PHASES = 2
+#: Token rows from which the AMX linears (amx.c.j2) take the tiles; fewer rows run their AVX-512
+#: VNNI code. Not measured: this project's development hosts have no AMX, so these are the usual
+#: switch points (llama.cpp's and oneDNN's AMX GEMMs take tiles from 16-32 rows) argued from the
+#: kernels' shape. int4: a tile holds 16 token rows and costs as much with fewer; below 16 rows the
+#: widening of each block (once per block per step) and one tile store plus epilogue per 32 k
+#: gain little over vpdpbusd, whose registers then hold every row. int8: each k is multiplied
+#: twice (the int16 activations' high and low bytes) and the activations are split into bytes
+#: first, so the tiles pay from two tiles of rows on. To be measured on an AMX host
+#: (`bench/kernels.py`, T from 1 to 64) before they are trusted.
+AMX_MIN_T_Q4 = 16
+AMX_MIN_T_Q8 = 32
 _INT4 = ("q4g32", "q4g64", "q4g128", "q4g32a", "q4g64a", "q4g128a", "q4g32m", "q4g64m", "q4g128m")
 _INT8 = ("q8r", "q8g32", "q8g64", "q8g128")
 
@@ -52,7 +64,7 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
     kp, ng = fmt.padded_k(K), fmt.groups(K)
     codes = ROWS_PER_BLOCK * kp * fmt.bits // 8
     tt, rb, rb_multi = _TILES[isa]
-    if isa == "avx512" and fmt.kind == "int" and fmt.bits == 8:
+    if isa in ("avx512", "amx") and fmt.kind == "int" and fmt.bits == 8:
         rb, rb_multi = 1, 1          # measured: int8 streams fastest one block at a time (27 vs 17 GB/s)
     n_blocks = -(-N // ROWS_PER_BLOCK)
     rb = _item_blocks(n_blocks, rb)
@@ -70,7 +82,7 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
         plan.update(act_bits=bits, act_kp=lay["kp"], act_row_bytes=lay["row_bytes"], act_d_offset=lay["d_offset"],
                     act_sum_offset=lay["sum_offset"],
                     # int8 x int16 products summed in int32: at most 256 k per partial sum
-                    chunk=fmt.group or 256)
+                    chunk=fmt.group or 256, amx_min_t=AMX_MIN_T_Q4 if fmt.bits == 4 else AMX_MIN_T_Q8)
     return plan
 
 
@@ -115,7 +127,7 @@ OPS.update({
         ("scalar",),
         lambda p: [f"k{p['K']}", f"b{p['bits']}"], _check_act, _quantize_act_plan),
     "linear_q4": _OpKernel(
-        ("K", "N", "wformat"), _LINEAR_PROTO % "int8 activation rows", ("scalar", "avx2", "avx512"),
+        ("K", "N", "wformat"), _LINEAR_PROTO % "int8 activation rows", ("scalar", "avx2", "avx512", "amx"),
         lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
         _all(_positive("K", "N"), _check_format(_INT4)), _weight_plan),
     "linear_q8": _OpKernel(

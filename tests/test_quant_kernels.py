@@ -25,7 +25,7 @@ HOST = host_features()
 RUNNABLE = runnable_targets(HOST)
 COMPILE_ONLY = [name for name, t in TARGETS.items() if t.missing_features(HOST)]
 F32_TOL = 1e-5                 # max abs error / max |reference|
-AMX_OPS = ("linear_q4",)       # the ops with AMX templates (tests/test_amx.py)
+AMX_OPS = ("linear_q4", "linear_q8")       # the ops with AMX templates (tests/test_amx.py)
 
 # (K, N): K below, at and above a group; K not a multiple of 32 (padded formats) and N not of 16
 # rows; N large enough for work items of 4 blocks (520: 33 blocks, a tail item of 1) and of 2 (272)

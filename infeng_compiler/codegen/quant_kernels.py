@@ -5,7 +5,7 @@
 | ``quantize_act`` | f32 rows -> int8 blocks of 32 (scales, sums) or int16 rows (one scale) | scalar, avx2, avx512 |
 | ``dequantize_act`` | those rows -> the f32 values they stand for (LoRA deltas read them) | scalar |
 | ``linear_q4`` | int4 weights (q4gG, q4gGa) x int8 activations (``vpdpbusd``, ``tdpbsud``) | scalar ... amx |
-| ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``) | scalar, avx2, avx512 |
+| ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``, ``tdpbssd``) | scalar ... amx |
 | ``linear_f8`` | fp8 e4m3 weights x f32 activations (widened through f16 in registers) | scalar, avx2, avx512 |
 | ``embedding_q`` | rows of a quantized table, dequantized | scalar |
 | ``linear_mxfp4`` | MXFP4 weights (GPT-OSS's bytes) x f32 or int8 activations (``act``), e2m1 by ``vpshufb`` | scalar, avx2, avx512 |
@@ -83,6 +83,11 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
                     act_sum_offset=lay["sum_offset"],
                     # int8 x int16 products summed in int32: at most 256 k per partial sum
                     chunk=fmt.group or 256, amx_min_t=AMX_MIN_T_Q4 if fmt.bits == 4 else AMX_MIN_T_Q8)
+        if fmt.bits == 8:
+            # AMX: k per tile product (a tile row holds 64 bytes; a product never spans two chunks)
+            # and K padded with zeros to whole products
+            amx_k = min(plan["chunk"], 64)
+            plan.update(amx_k=amx_k, amx_kp=-(-kp // amx_k) * amx_k)
     return plan
 
 
@@ -131,7 +136,7 @@ OPS.update({
         lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
         _all(_positive("K", "N"), _check_format(_INT4)), _weight_plan),
     "linear_q8": _OpKernel(
-        ("K", "N", "wformat"), _LINEAR_PROTO % "int16 activation rows", ("scalar", "avx2", "avx512"),
+        ("K", "N", "wformat"), _LINEAR_PROTO % "int16 activation rows", ("scalar", "avx2", "avx512", "amx"),
         lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
         _all(_positive("K", "N"), _check_format(_INT8)), _weight_plan),
     "linear_f8": _OpKernel(

@@ -72,6 +72,19 @@ void tile_op(const void *cfg, int op, void *c, int ldc, const void *a, int lda, 
     }
     IFE_TILE_STORE(0, c, ldc);
 }
+
+static void no_work(void *ctx, int begin, int end) { (void)ctx, (void)begin, (void)end; }
+
+/* Whether the caller's cached tile configuration is forgotten when it runs a job (another
+ * library's kernels may have loaded theirs on this thread since). */
+int job_forgets_loaded_config(void) {
+    static const ife_tilecfg cfg = {.palette = 1};
+    ife_amx_loaded_cfg = &cfg;
+    ife_pool *pool = ife_pool_create(2);
+    ife_parallel_for(pool, 4, no_work, NULL);
+    ife_pool_destroy(pool);
+    return ife_amx_loaded_cfg == NULL;
+}
 """
 
 
@@ -82,7 +95,7 @@ def tile_program(isa: str):
     build = build_library(sources, target, baseline_sources={SUPPORT_SOURCE})
     ffi = cffi.FFI()
     ffi.cdef("void tile_op(const void *cfg, int op, void *c, int ldc, const void *a, int lda, const void *b, int ldb);"
-             "int ife_cpu_check(char *missing, int len);")
+             "int ife_cpu_check(char *missing, int len); int job_forgets_loaded_config(void);")
     return ffi, ffi.dlopen(str(build.path))
 
 
@@ -176,6 +189,14 @@ def test_bf16_tile_product(isa: str, m: int, k_bytes: int, n: int) -> None:
     else:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         assert not got[0, :n].any() and got[1, 1] == 0.0
+
+
+def test_a_job_reloads_the_callers_tile_config() -> None:
+    """Each library caches the tile configuration a thread loaded; the caller's is dropped at every
+    job, since it may have run another library's tile kernels in between (natively a stale belief
+    faults or multiplies with another kernel's shapes; the check itself runs on any host)."""
+    _, lib = tile_program("amx-emu")
+    assert lib.job_forgets_loaded_config() == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -158,9 +158,9 @@ def test_missing_isa_is_a_clear_error(compiled, monkeypatch):
 def test_amx_artifact_loads_only_where_the_cpu_has_amx(tmp_path, stories_dir, monkeypatch):
     """AMX is built on every host. Where AMX is not usable (CPUID, XCR0 or the kernel's permission:
     the library's check asks all three when it loads), loading names what is missing; where it is
-    (some of this project's machines are Xeons with AMX), the artifact runs and gives the
-    avx512-bf16 build's tokens (the amx target adds no AMX kernel yet). Taking amx_bf16 away with
-    INFENG_CPU_FEATURES refuses the load on either kind of host."""
+    (some of this project's machines are Xeons with AMX), the artifact runs its tile kernels and
+    gives the avx512-bf16 build's tokens. Taking amx_bf16 away with INFENG_CPU_FEATURES refuses the
+    load on either kind of host."""
     artifact = tmp_path / "amx.infeng"
     compile_model(stories_dir, artifact, CompileOptions(target="amx"))
     assert (artifact / "libmodel.so").is_file()

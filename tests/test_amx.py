@@ -59,6 +59,7 @@ TILE_OPS = {"dpbssd": (0, True, True), "dpbsud": (1, True, False), "dpbusd": (2,
 TILE_PROGRAM = """#include "ife_kernels.h"
 /* C (tile 0) = op(C, A (tile 1), B (tile 2)) under the configuration cfg: load, multiply, store. */
 void tile_op(const void *cfg, int op, void *c, int ldc, const void *a, int lda, const void *b, int ldb) {
+    ife_amx_loaded_cfg = NULL;          /* cfg is the caller's buffer: its address may come back with other contents */
     ife_amx_configure((const ife_tilecfg *)cfg);
     IFE_TILE_LOAD(0, c, ldc);
     IFE_TILE_LOAD(1, a, lda);

@@ -233,7 +233,9 @@ def amx_lib(isa: str) -> KernelLib:
 
 
 def test_amx_kernels_compile_natively() -> None:
-    """The amx grid builds with the -mamx-* flags (native tile instructions) on any host."""
+    """The amx grid and the tile program build with the -mamx-* flags (native tile instructions) on
+    any host; loading them runs no instruction."""
+    tile_program("amx")
     specs = amx_grid("amx")
     sources, baseline = library_sources(specs, TARGETS["amx"])
     assert all("IFE_TILE_DPB" in sources[f"{spec.symbol}.c"] for spec in specs)     # the tile kernels

@@ -163,28 +163,30 @@ def ftz(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("isa", AMX_ISAS)
 @pytest.mark.parametrize("m,k_bytes,n", [(16, 64, 16), (3, 12, 5)])
 def test_bf16_tile_product(isa: str, m: int, k_bytes: int, n: int) -> None:
-    """TDPBF16PS: for each k, C += A[2k] * B[2k] then += A[2k+1] * B[2k+1] in fp32, round to
-    nearest even, denormal inputs read as zero, denormal results flushed to zero. The emulation
-    follows the SDM's order exactly; the hardware is held to the same values within fp32
-    rounding, and exactly on the denormal cases."""
+    """TDPBF16PS as the SDM's pseudo-code: per element an even and an odd fp32 sum from zero, each
+    k adding its product with one rounding (FMA), then C += even + odd; round to nearest even,
+    denormal inputs read as zero, denormal results flushed to zero. The emulation follows it
+    exactly; the hardware is held to the same values within fp32 rounding, and exactly on the
+    denormal cases."""
     rng = np.random.default_rng(m + n)
     kq = k_bytes // 4
     a = bf16_bits(rng.standard_normal((16, 32)))
     b = bf16_bits(rng.standard_normal((16, 32)))
     c = rng.standard_normal((16, 16)).astype(np.float32)
-    a[0:2], c[0:2] = 0, 0.0                 # rows 0 and 1: one product each, from zero
+    a[0:3], c[0:2] = 0, 0.0                 # rows 0 and 1: one product each, from zero
     a[0, 0], b[0, 0] = 0x0001, 0x7180       # a denormal input x 2^100: 1e-10 unless read as zero (DAZ)
     a[1, 0], b[0, 2] = 0x1C80, 0x1C80       # 2^-70 x 2^-70: a denormal result, 2^-140 unless flushed (FTZ)
+    a[2, 0:2 * kq:2], b[:, 4], b[:, 5], c[2, 2] = 0x3900, 0x3980, 0, 1.0    # 1 + kq x 2^-25: the sums first
     got = run_tile_op(isa, "dpbf16ps", tile_config(m, k_bytes, n), c, a, b)
     want = c.copy()
-    av, bv = bf16_value(a[:m, :2 * kq]), bf16_value(b[:kq, :2 * n]).reshape(kq, n, 2)
+    av, bv = bf16_value(a[:m, :2 * kq]).astype(np.float64), bf16_value(b[:kq, :2 * n]).astype(np.float64)
     for i in range(m):
-        acc = c[i, :n].copy()
+        sums = np.zeros((2, n), np.float32)                     # even, odd
         for k in range(kq):
-            for q in range(2):
-                acc = ftz(acc + av[i, 2 * k + q] * bv[k, :, q])
-        want[i, :n] = acc
-    assert not want[0, :n].any() and want[1, 1] == 0.0 and want[1, 0] != 0.0
+            for q in range(2):                                  # the product is exact in float64: one rounding
+                sums[q] = ftz((av[i, 2 * k + q] * bv[k, q::2] + sums[q]).astype(np.float32))
+        want[i, :n] = ftz(ftz(c[i, :n]) + ftz(sums[0] + sums[1]))
+    assert not want[0, :n].any() and want[1, 1] == 0.0 and want[1, 0] != 0.0 and want[2, 2] > 1.0
     if isa == "amx-emu":
         np.testing.assert_array_equal(got, want)
     else:

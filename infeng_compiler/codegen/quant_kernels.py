@@ -34,6 +34,10 @@ PREFETCH_BYTES = 0
 #: Software prefetch distance of the int4 decode path (AVX-512), bytes: measured best of 256-2048
 #: on the dev machine (Zen 4), `python bench/kernels.py --wdtypes q4g32 --tokens 1`.
 GEMV_PREFETCH_BYTES = 512
+#: Token rows up to which the int4 AVX-512 kernel streams each weight block once with that prefetch
+#: (stream_block) instead of running micro-tiles: measured on the dev machine (Zen 5),
+#: `python bench/kernels.py --wdtypes q4g32 --tokens 1,2,4,8,12,16 --threads 2`.
+STREAM_T = 8
 #: Independent partial sums per output along K in the fp8 kernels, the same for every number of
 #: token rows in a tile, so that a row's result does not depend on how many rows the step has.
 F8_PHASES = 2
@@ -74,7 +78,7 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
             "block_bytes": fmt.block_bytes(K), "codes_bytes": codes, "scales_offset": codes,
             "zeros_offset": codes + ROWS_PER_BLOCK * ng * fmt.scale_dtype.itemsize,
             "n_blocks": -(-N // ROWS_PER_BLOCK), "tt": tt, "rb": rb, "rb_multi": rb_multi, "prefetch": PREFETCH_BYTES,
-            "gemv_prefetch": GEMV_PREFETCH_BYTES, "f8_phases": F8_PHASES, "seg_groups": fmt.segment_groups, "seg_bytes": fmt.segment_bytes(fmt.segment_groups),
+            "gemv_prefetch": GEMV_PREFETCH_BYTES, "stream_t": STREAM_T, "f8_phases": F8_PHASES, "seg_groups": fmt.segment_groups, "seg_bytes": fmt.segment_bytes(fmt.segment_groups),
             "group_code_bytes": fmt.group_code_bytes}
     if fmt.kind == "int":
         bits = 8 if fmt.bits == 4 else 16

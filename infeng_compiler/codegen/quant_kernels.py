@@ -34,7 +34,11 @@ PREFETCH_BYTES = 0
 #: Software prefetch distance of the int4 decode path (AVX-512), bytes: measured best of 256-2048
 #: on the dev machine (Zen 4), `python bench/kernels.py --wdtypes q4g32 --tokens 1`.
 GEMV_PREFETCH_BYTES = 512
-#: Token rows up to which the int4 AVX-512 kernel streams each weight block once with that prefetch
+#: The same for the int8 streamed path (linear_q8): 512 / 1024 / 2048 / 4096 bytes took 1234 / 837 /
+#: 850 / 768 us for q8g32 576x49152 at T = 1 (2 threads, Zen 5, same run, loaded machine); q8r
+#: within noise of one another.
+GEMV_PREFETCH_BYTES_INT8 = 2048
+#: Token rows up to which the int4/int8 AVX-512 kernels stream each weight block once with that prefetch
 #: (stream_block) instead of running micro-tiles: measured on the dev machine (Zen 5),
 #: `python bench/kernels.py --wdtypes q4g32 --tokens 1,2,4,8,12,16 --threads 2`.
 STREAM_T = 8
@@ -78,7 +82,8 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
             "block_bytes": fmt.block_bytes(K), "codes_bytes": codes, "scales_offset": codes,
             "zeros_offset": codes + ROWS_PER_BLOCK * ng * fmt.scale_dtype.itemsize,
             "n_blocks": -(-N // ROWS_PER_BLOCK), "tt": tt, "rb": rb, "rb_multi": rb_multi, "prefetch": PREFETCH_BYTES,
-            "gemv_prefetch": GEMV_PREFETCH_BYTES, "stream_t": STREAM_T, "f8_phases": F8_PHASES, "seg_groups": fmt.segment_groups, "seg_bytes": fmt.segment_bytes(fmt.segment_groups),
+            "gemv_prefetch": GEMV_PREFETCH_BYTES_INT8 if fmt.kind == "int" and fmt.bits == 8 else GEMV_PREFETCH_BYTES,
+            "stream_t": STREAM_T, "f8_phases": F8_PHASES, "seg_groups": fmt.segment_groups, "seg_bytes": fmt.segment_bytes(fmt.segment_groups),
             "group_code_bytes": fmt.group_code_bytes}
     if fmt.kind == "int":
         bits = 8 if fmt.bits == 4 else 16

@@ -213,6 +213,8 @@ class EngineLoop:
             t2 = time.perf_counter()
             with self.lock:
                 outs = self.scheduler.update(plan, logits)
+            if self.speculator is not None and len(plan.logits_rows) == len(plan.tokens):
+                self.speculator.observe(len(plan.tokens), float(plan.positions.mean()), t2 - t1)
         generated = self.scheduler.stats.generated_tokens
         if self._thread is not None and self.scheduler.has_work:
             # hand the outputs over just before the next forward call: the consumers then do their

@@ -23,6 +23,7 @@ again by later steps (``Scheduler`` only counts accepted positions as computed).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -327,6 +328,9 @@ class DraftModelDrafter:
 MEASURED_T = tuple(range(1, 17)) + (24, 32, 48, 64)
 #: The step is also timed this many positions into a sequence, at these row counts.
 DEEP_CONTEXT = 1024
+#: The running correction of the cost curve by the steps run (CostModel.observe): the weight of the
+#: newest step once 1 / COST_OBSERVE_RATE steps of that row count were seen.
+COST_OBSERVE_RATE = 0.05
 DEEP_T = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -335,7 +339,13 @@ class CostModel:
     linear between and beyond the measured points. With ``deep`` (the same step measured with its
     rows ``depth`` positions into a sequence), the cost at a context of ``c`` tokens moves from the
     first curve towards ``deep`` in proportion, ``c / depth``: every row attends to its context, so
-    a drafted row costs more in a long sequence than at its start."""
+    a drafted row costs more in a long sequence than at its start.
+
+    The steps the engine loop then runs correct it (``observe``): per row count, the running ratio
+    of their seconds to the curve's multiplies it; a row count not run yet takes the ratio
+    interpolated between the nearest ones that were (beyond them, the nearest one's). A curve
+    measured at load while something else ran (too flat, or too steep) is thus corrected by the
+    steps themselves, not kept for the engine's life."""
 
     def __init__(self, seconds: dict[int, float], deep: dict[int, float] | None = None, depth: int = 0):
         ts = sorted(seconds)
@@ -344,6 +354,21 @@ class CostModel:
         self._table = [self(t) for t in range(257)]
         self.deep = CostModel(deep) if deep and depth > 0 else None
         self.depth = depth
+        self._ratio: dict[int, tuple[float, int]] = {}     # rows -> (observed / curve, steps seen)
+        self._observed_rows: list[int] = []                  # the keys of _ratio, sorted
+
+    def observe(self, tokens: int, context: float, seconds: float) -> None:
+        """A step of ``tokens`` rows (each with logits), its sequences ``context`` tokens long on
+        average, took ``seconds``: the ratio for that row count moves towards seconds / the curve's
+        (the mean of the first 1 / COST_OBSERVE_RATE steps, then a running average)."""
+        modelled = self._measured(tokens, context)
+        if not (modelled > 0 and math.isfinite(seconds) and seconds > 0):
+            return
+        ratio, seen = self._ratio.get(tokens, (0.0, 0))
+        if not seen:
+            bisect.insort(self._observed_rows, tokens)
+        rate = max(1.0 / (seen + 1), COST_OBSERVE_RATE)
+        self._ratio[tokens] = (ratio + (seconds / modelled - ratio) * rate, seen + 1)
 
     def __call__(self, tokens: float) -> float:
         ts, cost = self.ts, self.cost
@@ -354,6 +379,20 @@ class CostModel:
 
     def at(self, tokens: int, context: float = 0.0) -> float:
         """The step's seconds for ``tokens`` rows whose sequences are ``context`` tokens long."""
+        seconds = self._measured(tokens, context)
+        if not self._ratio:
+            return seconds
+        seen = self._ratio.get(tokens)
+        if seen is not None:
+            return seconds * seen[0]
+        rows = self._observed_rows
+        i = bisect.bisect(rows, tokens)
+        if i == 0 or i == len(rows):                  # outside the row counts seen: the nearest one's
+            return seconds * self._ratio[rows[min(i, len(rows) - 1)]][0]
+        (a, ra), (b, rb) = (rows[i - 1], self._ratio[rows[i - 1]][0]), (rows[i], self._ratio[rows[i]][0])
+        return seconds * (ra + (rb - ra) * (tokens - a) / (b - a))
+
+    def _measured(self, tokens: int, context: float) -> float:
         base = self._table[tokens] if tokens < len(self._table) else self(tokens)
         if self.deep is None or context <= 0:
             return base
@@ -536,6 +575,12 @@ class Speculator:
             seq.spec.order = source
             out.append(next(drafted)[:k] if k > 0 else [])
         return out
+
+    def observe(self, tokens: int, context: float, seconds: float) -> None:
+        """The engine loop ran a forward step of ``tokens`` rows, every one with logits (decodes and
+        verifications only), over sequences ``context`` tokens long on average, in ``seconds``."""
+        if self.cost is not None:
+            self.cost.observe(tokens, context, seconds)
 
     def verified(self, seq, drafted: int, accepted: int) -> None:
         """A verification step of ``seq`` ran ``drafted`` drafts and accepted ``accepted``."""

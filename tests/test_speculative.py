@@ -25,9 +25,9 @@ from _serving import STORIES, AloneReference, adapters, infeng_command, metric, 
 from infeng_runtime.kv_cache import BlockAllocator
 from infeng_runtime.sampling import SamplingParams, distribution
 from infeng_runtime.scheduler import NON_FINITE, Request, Scheduler
-from infeng_runtime.speculative import (MATCH_CLASSES, SOURCE_TABLE, CostModel, NgramDrafter, SpecState,
-                                        SpeculativeConfig, SpeculativeError, Speculator, accept_greedy, accept_sampled,
-                                        choose_lengths, parse_speculative)
+from infeng_runtime.speculative import (COST_OBSERVE_RATE, MATCH_CLASSES, SOURCE_TABLE, CostModel, NgramDrafter,
+                                        SpecState, SpeculativeConfig, SpeculativeError, Speculator, accept_greedy,
+                                        accept_sampled, choose_lengths, parse_speculative)
 
 V = 6
 
@@ -244,6 +244,26 @@ def test_a_long_context_makes_drafted_rows_dearer():
     assert cost.at(4, 500) == pytest.approx(1.925)
     assert choose_lengths(cost, 1, 1, [0.6], [8], follow=[0.8]) == [6]
     assert choose_lengths(cost, 1, 1, [0.6], [8], follow=[0.8], context=1000) == [1]
+
+
+def test_steps_run_correct_a_cost_curve_measured_under_load():
+    """A curve measured while something else ran (flat: every T as dear as T = 1 was then) makes
+    drafts look free; the steps the loop runs correct it per row count, a row count not run yet
+    taking the ratio interpolated between those that were, and drafting stops where it does not pay."""
+    noisy = CostModel({t: 2.0 for t in range(1, 17)})
+    assert choose_lengths(noisy, 1, 1, [0.15], [8])[0] > 0              # believes extra rows are free
+    for _ in range(3):
+        noisy.observe(1, 100.0, 1.0)                                        # the quiet machine's steps
+        noisy.observe(3, 100.0, 1.5)
+    assert noisy.at(1) == pytest.approx(1.0) and noisy.at(3, 100.0) == pytest.approx(1.5)
+    assert noisy.at(2) == pytest.approx(1.25) and noisy.at(8) == pytest.approx(1.5)  # between / beyond those seen
+    assert choose_lengths(noisy, 1, 1, [0.15], [8]) == [0]
+    steady = CostModel({1: 1.0, 2: 1.2})
+    for seconds in [2.0] * 20 + [1.0]:
+        steady.observe(1, 0.0, seconds)
+    assert steady.at(1) == pytest.approx(2.0 - COST_OBSERVE_RATE)     # a running average after 20 steps
+    steady.observe(2, 0.0, float("nan"))
+    assert steady.at(2) == pytest.approx(1.2 * steady.at(1))          # a broken timing is ignored
 
 
 def test_cost_measured_at_the_start_and_deep_into_a_sequence():

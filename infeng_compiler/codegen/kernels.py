@@ -171,10 +171,31 @@ _GEMV_UNROLL = 4
 _GEMM_MAX_KC = 512
 #: Work items per matrix the packed path aims for, so that threads get balanced ranges.
 _GEMM_MIN_ITEMS = 8
+#: Token rows from which the amx linear (bf16 and f16 weights) multiplies on the tile unit; below it
+#: the avx512-bf16 (bf16) or avx512 (f16) paths run. Not measured: this project's hosts have no AMX,
+#: so it is to be measured per kernel on one, as GEMM_MIN_T was. 16 is one whole A tile of token
+#: rows: below it every tile product is partly empty, and W is re-laid into tiles on every call, which
+#: must be amortised over the rows (counting 512 bf16 multiply-adds a cycle for TDPBF16PS, 64 for
+#: vdpbf16ps and about a tenth of a cycle per weight to re-lay, the tiles draw level at about 8 rows
+#: compute-bound; the avx512 packed GEMM, which also packs per call, needed 64 against the dot tiles).
+#: Tests lower it so that short prompts take the tile path.
+AMX_MIN_T = 16
+#: Linear templates that take only some weight dtypes (the others fall back along the target's base):
+#: vdpbf16ps and the AMX-BF16 tiles multiply bf16, and f16 as two bf16 (amx.c.j2); f32 weights stay on
+#: the f32 FMAs, which the tiles could match only with three bf16 parts per weight and per activation.
+_LINEAR_WDTYPES = {"avx512-bf16": ("bf16",), "amx": ("bf16", "f16")}
+#: The amx micro-kernel: 2 x 2 C tiles of 16 x 16 f32, so MR token rows x NR output columns.
+_AMX_TILE = 16                # token rows of an A/C tile = columns of a B/C tile = bf16 pairs per row
+_AMX_MR = 2 * _AMX_TILE
+_AMX_NR = 2 * _AMX_TILE
+#: Bf16 pairs in a row of a packed k block, over all planes of x: the MR rows of x take 32 KiB (L1).
+_AMX_MAX_KC_PAIRS = 256
 
 
 def _plan_linear(p: dict[str, Any], isa: str) -> dict[str, Any]:
     """Tiling of the linear kernel for one template ISA (see docs/codegen.md)."""
+    if isa == "amx":
+        return _plan_linear_amx(p)
     K, N, wbytes = p["K"], p["N"], _WEIGHT_BYTES[p["wdtype"]]
     # a work item's weight rows stay in half of L1 while every token tile passes over them
     rows_in_l1 = max(1, _L1_BYTES // 2 // (K * wbytes))
@@ -191,8 +212,22 @@ def _plan_linear(p: dict[str, Any], isa: str) -> dict[str, Any]:
         "gemv_unroll": _GEMV_UNROLL, "dot_rows": tiles.dot_rows, "dot_tokens": tiles.dot_tokens,
         "gemv_block": _round_up(rows_in_l1, tiles.dot_rows), "pf_l1_bytes": _DOT_PF_L1_BYTES,
         "k_tail": K % k_chunk,
-        "gemm_min_t": _GEMM_MIN_T, "mr": tiles.mr, "nr": nr, "kc": kc, "nc": nc,
+        "gemm_min_t": _GEMM_MIN_T, "mr": tiles.mr, "nr": nr, "kc": kc, "nc": nc, "amx": False,
     }
+
+
+def _plan_linear_amx(p: dict[str, Any]) -> dict[str, Any]:
+    """The amx linear: its fallback template's plan below AMX_MIN_T token rows (avx512-bf16 for bf16
+    weights, avx512 for f16), and the packed path's blocking for the tile micro-kernel from there."""
+    fallback = "avx512-bf16" if p["wdtype"] == "bf16" else "avx512"
+    pair_k = 2 if p["wdtype"] == "bf16" else 1         # k per bf16 pair: two bf16 weights, or f16 as (hi, lo)
+    x_parts = 1 if p["wdtype"] == "bf16" else 2        # x rounded to bf16, or kept as bf16 hi + lo (f16)
+    kc = min(_round_up(p["K"], pair_k * _AMX_TILE), pair_k * _AMX_MAX_KC_PAIRS // x_parts)   # whole tiles
+    pair_row_bytes = kc // pair_k * 4
+    nc_in_l2 = max(_AMX_NR, _L2_BYTES // 4 // pair_row_bytes // _AMX_NR * _AMX_NR)
+    nc = min(nc_in_l2, _round_up(-(-p["N"] // _GEMM_MIN_ITEMS), _AMX_NR))
+    return {**_plan_linear(p, fallback), "amx": True, "fallback_isa": fallback, "pair_k": pair_k,
+            "x_parts": x_parts, "gemm_min_t": AMX_MIN_T, "mr": _AMX_MR, "nr": _AMX_NR, "kc": kc, "nc": nc}
 
 
 def _round_up(x: int, m: int) -> int:
@@ -342,10 +377,10 @@ OPS: dict[str, _OpKernel] = {
         ("K", "N", "wdtype"),
         "void {sym}(ife_pool *pool, const float *x /* [T, K] */, int T, const {W} *w /* [N, K] */, "
         "const float *bias /* [N] or NULL */, float *y /* [T, N] */)",
-        ("scalar", "avx2", "avx512", "avx512-bf16"),
+        ("scalar", "avx2", "avx512", "avx512-bf16", "amx"),
         lambda p: [p["wdtype"], f"k{p['K']}", f"n{p['N']}"],
         _all(_positive("K", "N"), _check_wdtype), _plan_linear,
-        variant_if=lambda isa, p: isa != "avx512-bf16" or p["wdtype"] == "bf16"),
+        variant_if=lambda isa, p: p["wdtype"] in _LINEAR_WDTYPES.get(isa, WEIGHT_CTYPES)),
     "rope": _OpKernel(
         ("n_heads", "head_dim", "inv_freq"),
         "void {sym}(float *x /* [T, n_heads * head_dim], in place */, int T, const int32_t *pos /* [T] */)",

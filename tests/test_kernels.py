@@ -18,7 +18,7 @@ import pytest
 from _kernel_lib import KernelLib, rel_err
 
 from infeng_compiler.codegen.build import build_library
-from infeng_compiler.codegen.kernels import KernelSpec, library_sources, template_isa
+from infeng_compiler.codegen.kernels import AMX_MIN_T, KernelSpec, library_sources, template_isa
 from infeng_compiler.codegen.target import TARGETS, host_features, runnable_targets
 from infeng_compiler.interp import KVStore, Step
 from infeng_compiler.ir.ops import REGISTRY, rope_inv_freq
@@ -119,7 +119,8 @@ def test_linear(klib: KernelLib, K: int, N: int, wdtype: str):
     rng = np.random.default_rng(K * N)
     stored, w32 = weights(rng, (N, K), wdtype)
     bias = rng.standard_normal(N, dtype=np.float32)
-    dot_bf16 = template_isa(spec) == "avx512-bf16"
+    # vdpbf16ps and the amx tiles round x to bf16 for bf16 weights (amx keeps 16 bits of x for f16)
+    dot_bf16 = template_isa(spec) in ("avx512-bf16", "amx") and wdtype == "bf16"
     for T in LINEAR_TOKENS:
         x = rng.standard_normal((T, K), dtype=np.float32)
         for b in (None, bias):
@@ -146,7 +147,8 @@ def test_linear_dot_tile_rows_do_not_depend_on_the_row_count(klib: KernelLib, K:
     rng = np.random.default_rng(K + N)
     stored, _ = weights(rng, (N, K), wdtype)
     bias = rng.standard_normal(N, dtype=np.float32)
-    x = rng.standard_normal((17, K), dtype=np.float32)      # 17 rows: below GEMM_MIN_T (64)
+    n_rows = AMX_MIN_T - 1 if template_isa(spec) == "amx" else 17   # below the packed path (amx: the tiles)
+    x = rng.standard_normal((n_rows, K), dtype=np.float32)
 
     def run(rows: np.ndarray, w: np.ndarray = stored, b: np.ndarray = bias) -> np.ndarray:
         rows = np.ascontiguousarray(rows)
@@ -155,7 +157,7 @@ def test_linear_dot_tile_rows_do_not_depend_on_the_row_count(klib: KernelLib, K:
         return y
 
     together = run(x)
-    for t0, t1 in [(0, 2), (1, 4), (3, 8), (2, 7), (9, 16), (15, 17), (4, 17)]:
+    for t0, t1 in [(0, 2), (1, 4), (3, 8), (2, 7), (9, n_rows - 1), (n_rows - 2, n_rows), (4, n_rows)]:
         assert np.array_equal(run(x[t0:t1]), together[t0:t1]), (klib.isa, wdtype, K, N, t0, t1)
 
 def test_pool_threads(klib: KernelLib):

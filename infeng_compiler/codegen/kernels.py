@@ -247,6 +247,36 @@ def _check_attention(p: dict[str, Any]) -> None:
     _expect(math.isfinite(p["scale"]) and p["scale"] > 0, f"attention scale must be positive, got {p['scale']}")
 
 
+#: Query rows of one sequence from which the amx attention takes the tiles (a run of them: a prefill
+#: chunk). Above the longest verification step (1 + 32 drafted tokens, runtime/speculative.py): the
+#: tile path sums other terms in another order (bf16 parts, per chunk), and a verification row must
+#: get the bits the one-row decode gets (greedy speculation is exact on native builds,
+#: tests/test_speculative.py), so verify and decode rows stay on the AVX-512 path. From 64 rows a
+#: run fills 4 tiles, over which the costs that do not scale with the rows (K/V re-laid per tile and
+#: chunk, S and P through memory) are shared. Not measured: the development hosts have no AMX;
+#: measure the crossover on an AMX host.
+AMX_ATTENTION_MIN_T = 64
+#: Keys per chunk of the amx attention: K and V re-laid as bf16 tiles once per chunk (for all GROUP
+#: heads), one online-softmax update per chunk; 2 tiles of P, 4 of S.
+_AMX_ATTENTION_KEYS = 64
+#: bf16 parts per value on the amx attention's tiles. 2: x = hi + lo (hi the nearest bf16, lo the bf16
+#: nearest to x - hi) and each product as hi·hi + hi·lo + lo·hi (3 tile products, 2^-16 relative):
+#: the f32 models' tests hold the compiled model to 1e-4 of the interpreter's logits, which one bf16
+#: part (2^-9 per rounding of Q, K, P, V: 8e-3 on stories260K's prefill) misses by far, and a native
+#: build takes the amx target wherever the CPU has AMX. 1: one part (rounded), a third of the products.
+AMX_ATTENTION_PARTS = 2
+
+
+def _plan_attention(p: dict[str, Any], isa: str) -> dict[str, Any]:
+    """The amx template's run threshold, key chunk and bf16 parts (the other templates take none)."""
+    if isa != "amx":
+        return {}
+    # (A part, B part) per tile product; neighbours share a part, so it stays in its tile
+    products = [(0, 1), (0, 0), (1, 0)] if AMX_ATTENTION_PARTS == 2 else [(0, 0)]
+    return {"amx_min_t": AMX_ATTENTION_MIN_T, "amx_keys": _AMX_ATTENTION_KEYS, "amx_parts": AMX_ATTENTION_PARTS,
+            "amx_products": products}
+
+
 def _check_attention_kvq(p: dict[str, Any]) -> None:
     from infeng_common.errors import InfengError
 
@@ -394,10 +424,10 @@ OPS: dict[str, _OpKernel] = {
         "const int32_t *block_table /* [n_slots, max_blocks] */, int max_blocks, "
         "float *k_cache /* [n_blocks, block_size, n_kv_heads, head_dim] */, "
         "float *v_cache /* [n_blocks, block_size, n_kv_heads, head_dim] */, float *out /* [T, n_heads * head_dim] */)",
-        ("scalar", "avx2", "avx512"),
+        ("scalar", "avx2", "avx512", "amx"),
         lambda p: [f"h{p['n_heads']}", f"kv{p['n_kv_heads']}", f"d{p['head_dim']}", f"b{p['block_size']}",
                    f"s{_sym_float(p['scale'])}", f"w{p['window']}"],
-        _check_attention),
+        _check_attention, _plan_attention),
     "attention_kvq": _OpKernel(
         ("n_heads", "n_kv_heads", "head_dim", "block_size", "scale", "window", "k_format", "v_format", "group",
          "rotate", "kv_window", "ring_rows"),

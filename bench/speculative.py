@@ -2,12 +2,14 @@
 
     python bench/speculative.py --threads 2                                  # SmolLM2-135M-Instruct, int4
     python bench/speculative.py --threads 2 --quant f16 --draft-quant int4   # f16 target, int4 draft
+    python bench/speculative.py --threads 2 --kv f16                         # f16 KV, as llama.cpp's default
     python bench/speculative.py --artifact x.infeng --modes plain,ngram
     python bench/speculative.py --replay 0.1,0.2                             # deterministic, no timing
 
 The model is SmolLM2-135M-Instruct from the package registry (``infeng_models.registry``), compiled
 from its GGUF (``--quant``: the target's weights, int4/int8/fp8, or f32/f16/bf16 for the GGUF's
-values widened; ``none`` is f32). Prompts, chat-rendered, greedy:
+values widened; ``none`` is f32; ``--kv``: its KV cache format, f32 by default, f16 as llama.cpp
+keeps its KV cache). Prompts, chat-rendered, greedy:
 
 - input-grounded: rewrite, extract from and summarise a 512-token wikitext passage given in the
   prompt; edit a given code file (rename a function, return the whole file);
@@ -102,10 +104,12 @@ WIDEN = {"f32": "f32", "none": "f32", "f16": "f16", "bf16": "bf16"}
 PEER_TYPE = {"int4": None, "int8": "Q8_0", "f32": "F32", "none": "F32", "f16": "F16", "bf16": "F16"}
 
 
-def compile_gguf(gguf: Path, out: Path, quant: str, recompile: bool) -> Path:
-    """``quant``: int4/int8/fp8 (``--quant``) or f32/f16/bf16 (``--dtype``: the GGUF's values widened)."""
+def compile_gguf(gguf: Path, out: Path, quant: str, recompile: bool, kv: str = "f32") -> Path:
+    """``quant``: int4/int8/fp8 (``--quant``) or f32/f16/bf16 (``--dtype``: the GGUF's values widened);
+    ``kv``: the KV cache format (``infeng compile --kv``)."""
     if recompile or not (out / "manifest.json").exists():
         flags = ["--dtype", WIDEN[quant]] if quant in WIDEN else ["--quant", quant]
+        flags += ["--kv", kv]
         done = subprocess.run(["infeng", "compile", str(gguf), "-o", str(out), *flags], check=False,
                               capture_output=True, text=True)
         if done.returncode != 0:
@@ -194,6 +198,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifact", type=Path, help="a compiled target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--quant", default="int4", help="the target's weights: int4, int8, fp8, f32, f16 or bf16")
+    ap.add_argument("--kv", default="f32", help="the target's KV cache format (infeng compile --kv): f16 is "
+                                                "llama.cpp's default, whose decode the bench runs")
     ap.add_argument("--draft-quant", default=None, help="also run a draft model: the GGUF with this quant")
     ap.add_argument("--modes", default="plain,ngram,draft")
     ap.add_argument("--threads", type=int, default=2)
@@ -219,7 +225,9 @@ def main() -> None:
 
         gguf = fetch(SMOLLM2_135M_INSTRUCT)
         args.workdir.mkdir(parents=True, exist_ok=True)
-        args.artifact = compile_gguf(gguf, args.workdir / f"smollm2-{args.quant}.infeng", args.quant, args.recompile)
+        kv_tag = "" if args.kv == "f32" else f"-kv{args.kv}"
+        args.artifact = compile_gguf(gguf, args.workdir / f"smollm2-{args.quant}{kv_tag}.infeng", args.quant,
+                                     args.recompile, args.kv)
     params = SamplingParams(max_new_tokens=args.max_tokens)
 
     def chat_ids(tok, message: str) -> tuple[str, list[int]]:

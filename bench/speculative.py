@@ -263,7 +263,8 @@ def main() -> None:
     if "draft" in modes:
         if gguf is None:
             raise SystemExit("--draft-quant needs the registry model (no --artifact)")
-        draft = compile_gguf(gguf, args.workdir / f"smollm2-{args.draft_quant}.infeng", args.draft_quant, args.recompile)
+        draft = compile_gguf(gguf, args.workdir / f"smollm2-{args.draft_quant}.infeng", args.draft_quant,
+                             args.recompile)
     specs = {"plain": None, "ngram": f"ngram:{args.max_draft}", "draft": f"draft:{draft}:{args.max_draft}"}
     llms = {m: LLM(args.artifact, threads=args.threads, max_seqs=1, speculative=specs[m]) for m in modes}
     tok = llms[modes[0]].tokenizer

@@ -45,6 +45,9 @@ DRAIN_BYTES = 64 * 2 ** 20
 LOOPBACK_NAMES = frozenset({"localhost", "localhost."})
 #: Bytes per read while an adapter's files are copied (AdapterRoots.snapshot).
 COPY_CHUNK = 1 << 20
+#: The files of a PEFT adapter directory the loader reads (common/peft.py), and those it only names.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+NAMED_ONLY = ("adapter_model.bin",)
 
 
 def is_loopback_address(host: str) -> bool:
@@ -245,11 +248,16 @@ class AdapterRoots:
     @contextlib.contextmanager
     def snapshot(self, given: str) -> Iterator[Path]:
         """A private copy of the adapter directory ``given`` names (``confine``'s rules), for the
-        loader to read, removed afterwards. The directory and each regular file in it are opened
-        once and accepted only where they are after opening (``/proc/self/fd``), and the copy is
-        made from those open files: a symlink inside a root swapped between the check and the read
-        cannot make the server read anything outside the roots. A directory that cannot be opened
-        gives an empty copy (the loader then says what is missing, as for any missing file)."""
+        loader to read, removed afterwards; it copies files, so run it off the event loop. Of the
+        directory only the files the PEFT reader reads are copied (``ADAPTER_FILES``; a pickled
+        ``adapter_model.bin`` only as an empty name, for the reader to refuse it by name), each
+        first opened as a path (``O_PATH``: no device or FIFO is ever opened for reading), accepted
+        only if it is a regular file that lies under a root once open (``/proc/self/fd``), and then
+        read through that same open file, at most the size it had then: a symlink inside a root
+        swapped between the check and the read cannot make the server read anything outside the
+        roots, and a file that keeps growing cannot keep it copying. A file larger than half the
+        free space where the copy goes is refused (400). A directory that cannot be opened gives an
+        empty copy (the loader then says what is missing, as for any missing file)."""
         resolved = self.confine(given)
         with tempfile.TemporaryDirectory(prefix="infeng-adapter-") as private:
             copy = Path(private)
@@ -260,7 +268,7 @@ class AdapterRoots:
                 return
             try:
                 self._check_opened(dir_fd, given)
-                for name in os.listdir(dir_fd):
+                for name in ADAPTER_FILES + NAMED_ONLY:
                     self._copy_entry(dir_fd, name, copy / name, given)
             finally:
                 os.close(dir_fd)
@@ -277,19 +285,30 @@ class AdapterRoots:
 
     def _copy_entry(self, dir_fd: int, name: str, to: Path, given: str) -> None:
         """Copy the entry ``name`` of the open directory to ``to`` if it is a regular file under a
-        root (never blocking on a FIFO or a device; subdirectories are not part of an adapter)."""
+        root (``NAMED_ONLY`` names: an empty file)."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dir_fd)
+            path_fd = os.open(name, os.O_PATH, dir_fd=dir_fd)       # follows symlinks, opens nothing
         except OSError:
             return
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(path_fd)
+            if not stat.S_ISREG(info.st_mode):
                 return
-            self._check_opened(fd, given)
-            with os.fdopen(os.dup(fd), "rb") as source, open(to, "wb") as target:
-                shutil.copyfileobj(source, target, COPY_CHUNK)
+            self._check_opened(path_fd, given)
+            if name in NAMED_ONLY:
+                to.touch()
+                return
+            if info.st_size > shutil.disk_usage(to.parent).free // 2:
+                raise APIError(400, f"the adapter file {name!r} under {given!r} is too large to load "
+                                    f"({info.st_size} bytes)", param="path", code="adapter_load_failed")
+            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)  # the same file
+            with os.fdopen(fd, "rb") as source, open(to, "wb") as target:
+                left = info.st_size
+                while left > 0 and (chunk := source.read(min(COPY_CHUNK, left))):
+                    target.write(chunk)
+                    left -= len(chunk)
         finally:
-            os.close(fd)
+            os.close(path_fd)
 
 
 def _outside_roots(given: str) -> APIError:

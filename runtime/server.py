@@ -1156,13 +1156,22 @@ class Server:
                                 f"and no '/'", param="name")
         if name == self.model_name:
             raise APIError(400, f"{name!r} is the base model's name", param="name")
-        try:
+        copies: list[Path] = []
+
+        def load_from_a_copy() -> int:           # copies files: off the event loop
             with self.adapter_roots.snapshot(given) as path:     # a private copy of the files checked
-                slot = await asyncio.wrap_future(self.loop.load_adapter(name, path, body.scale))
-        except InfengError as e:
-            raise APIError(400, str(e).replace(str(path), given), param="path", code="adapter_load_failed") from None
+                copies.append(path)
+                return self.loop.load_adapter(name, path, body.scale).result()
+
+        try:
+            slot = await asyncio.to_thread(load_from_a_copy)
         except APIError:
             raise
+        except InfengError as e:
+            message = str(e)
+            for path in copies:
+                message = message.replace(str(path), given)
+            raise APIError(400, message, param="path", code="adapter_load_failed") from None
         except Exception as e:                      # a file the readers choke on (safetensors, OS errors)
             raise APIError(400, f"the adapter at {given!r} cannot be read ({type(e).__name__})", param="path",
                            code="adapter_load_failed") from None

@@ -9,6 +9,9 @@ tests are skipped with that reason and its sources are still compiled with the -
 from __future__ import annotations
 
 import functools
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import cffi
@@ -192,6 +195,31 @@ def test_bf16_tile_product(isa: str, m: int, k_bytes: int, n: int) -> None:
     else:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         assert not got[0, :n].any() and got[1, 1] == 0.0
+
+
+@pytest.mark.skipif(bool(TARGETS["amx-emu"].missing_features(HOST)), reason="this host has no AVX-512 BF16")
+@pytest.mark.parametrize("case", ["17 rows", "B rows != A dwords", "unconfigured"])
+def test_emulation_refuses_what_the_hardware_faults_on(case: str) -> None:
+    """A configuration LDTILECFG refuses (#GP) or a tile product whose shapes do not fit (#UD) stops
+    the emulated program too, so that amx-emu's tests fail where an AMX CPU would fault."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import numpy as np
+from test_amx import run_tile_op, tile_config
+cfg = tile_config(16, 64, 16)
+if {case!r} == "17 rows":
+    cfg[48] = 17
+elif {case!r} == "B rows != A dwords":
+    cfg[48 + 2] = 8
+else:
+    cfg[0] = 0
+c, a, b = np.zeros((16, 16), np.int32), np.zeros((16, 64), np.int8), np.zeros((16, 64), np.int8)
+run_tile_op("amx-emu", "dpbssd", cfg, c, a, b)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == -signal.SIGABRT, done.stderr[-2000:]
+    assert "infeng: AMX emulation:" in done.stderr
 
 
 def test_a_job_reloads_the_callers_tile_config() -> None:

@@ -202,10 +202,10 @@ def test_adapter_load_under_a_root(server, roots, client):
 
 
 def test_adapter_snapshot_reads_the_files_it_checked(tmp_path, monkeypatch):
-    """Runtime loads read a private copy made from the opened files, each accepted by where it is
-    after opening: a file swapped for a symlink to outside once the path was checked is refused
-    (the race simulated by a confine that checks nothing), a later swap does not reach the copy,
-    and a FIFO in the directory is skipped without blocking."""
+    """Runtime loads read a private copy of the adapter's files, each opened as a path and accepted
+    by where it is once open: a file swapped for a symlink to outside once the path was checked is
+    refused (the race simulated by a confine that checks nothing), a later swap does not reach the
+    copy, a FIFO and files the reader does not read are left alone."""
     import os
 
     from infeng_runtime.api_errors import APIError
@@ -215,10 +215,11 @@ def test_adapter_snapshot_reads_the_files_it_checked(tmp_path, monkeypatch):
     good = write_adapter(root / "good", seed=310)
     secret = write_adapter(outside / "secret", seed=311)
     os.mkfifo(good / "a-fifo")
+    (good / "notes.txt").write_text("not part of an adapter")
     roots = AdapterRoots([root])
     original = (good / "adapter_model.safetensors").read_bytes()
     with roots.snapshot("good") as copy:
-        assert sorted(f.name for f in copy.iterdir()) == sorted(f.name for f in good.iterdir() if f.is_file())
+        assert sorted(f.name for f in copy.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
         (good / "adapter_model.safetensors").unlink()
         (good / "adapter_model.safetensors").symlink_to(secret / "adapter_model.safetensors")
         assert (copy / "adapter_model.safetensors").read_bytes() == original

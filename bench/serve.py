@@ -129,10 +129,10 @@ def start_split(artifact: Path, args, log: Path) -> tuple[list[subprocess.Popen]
     share = max(1, args.threads // n)
     procs, urls = [], []
     for i in range(n):
-        mine = {str(c) for c in cpus[i * len(cpus) // n:(i + 1) * len(cpus) // n]} or {str(cpus[i % len(cpus)])}
+        mine = cpus[i * len(cpus) // n:(i + 1) * len(cpus) // n] or [cpus[i % len(cpus)]]
         one = argparse.Namespace(**{**vars(args), "threads": share})
         proc, url = start_infeng(artifact, one, log.with_name(f"{log.stem}-{i}.log"),
-                                 cmd_prefix=["taskset", "-c", ",".join(sorted(mine))])
+                                 cmd_prefix=["taskset", "-c", ",".join(map(str, mine))])
         procs.append(proc)
         urls.append(url)
     return procs, urls
@@ -373,16 +373,11 @@ def main() -> None:
                 row.update(peer_tok_s=round(peer["tok_s"], 2), ratio=round(ours["tok_s"] / peer["tok_s"], 3),
                            peer_ttft_ms_p50=round(peer["ttft_ms_p50"], 1), peer_itl_ms_p50=round(peer["itl_ms_p50"], 2))
             if "ray" in runs:
-                ray = median_run(runs["ray"])
                 row.update(ray_replicas=args.ray_replicas, ray_threads=args.ray_threads,
-                           ray_tok_s=round(ray["tok_s"], 2), ray_ratio=round(ray["tok_s"] / ours["tok_s"], 3),
-                           ray_ttft_ms_p50=round(ray["ttft_ms_p50"], 1), ray_itl_ms_p50=round(ray["itl_ms_p50"], 2))
+                           **against_ours("ray", median_run(runs["ray"]), ours))
             if "split" in runs:
-                split = median_run(runs["split"])
                 row.update(split_processes=args.split, split_threads=max(1, args.threads // args.split),
-                           split_tok_s=round(split["tok_s"], 2), split_ratio=round(split["tok_s"] / ours["tok_s"], 3),
-                           split_ttft_ms_p50=round(split["ttft_ms_p50"], 1),
-                           split_itl_ms_p50=round(split["itl_ms_p50"], 2))
+                           **against_ours("split", median_run(runs["split"]), ours))
             if "baseline" in runs:
                 base = median_run(runs["baseline"])
                 ours_us = float(np.median([r["step_overhead_us"] for r in runs["infeng"]]))
@@ -400,6 +395,12 @@ def main() -> None:
                 proc.wait(60)                              # serve-ray stops its Ray cluster first
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def against_ours(prefix: str, run: dict, ours: dict) -> dict:
+    """``run``'s tok/s, its ratio over one ``infeng serve`` (``ours``), TTFT and ITL, as ``prefix_*``."""
+    return {f"{prefix}_tok_s": round(run["tok_s"], 2), f"{prefix}_ratio": round(run["tok_s"] / ours["tok_s"], 3),
+            f"{prefix}_ttft_ms_p50": round(run["ttft_ms_p50"], 1), f"{prefix}_itl_ms_p50": round(run["itl_ms_p50"], 2)}
 
 
 def median_run(runs: list[dict]) -> dict:

@@ -71,13 +71,14 @@ def need(isa: str) -> None:
 def steps(min_t: int) -> list[list[tuple[int, range]]]:
     """(slot, positions) per step: runs of 1, min_t - 1, min_t, 17, 33 and 70 rows of one sequence
     (70: more keys than one chunk), mixed with other sequences' decode rows; contexts end anywhere in
-    a block."""
+    a block; the last step's 45 rows reach past the AVX-512 path's first key chunk (128 positions)."""
     return [
         [(0, range(33))],
         [(1, range(17)), (0, range(33, 34))],
         [(2, range(min_t - 1)), (0, range(34, 35)), (1, range(17, 18))],
         [(3, range(min_t)), (1, range(18, 19))],
         [(0, range(35, 105)), (2, range(min_t - 1, min_t)), (3, range(min_t, min_t + 1))],
+        [(3, range(min_t + 1, 2 * min_t + 1)), (0, range(105, 150))],
     ]
 
 
@@ -88,7 +89,7 @@ def run_steps(klib: KernelLib, spec: KernelSpec, min_t: int, tile_tol: float) ->
     attrs = {"layer": 0, "n_heads": h, "n_kv_heads": kvh, "head_dim": hd, "scale": p["scale"], "window": window,
              **({"sinks": True} if sinks is not None else {})}
     rng = np.random.default_rng(hd * block + window)
-    slots, max_blocks = 4, max(105, 2 * min_t) // block + 1
+    slots, max_blocks = 4, max(150, 2 * min_t + 1) // block + 1
     n_blocks = slots * max_blocks + 3
     block_table = rng.permutation(n_blocks)[: slots * max_blocks].astype(np.int32).reshape(slots, max_blocks)
     k_cache = np.zeros((n_blocks, block, kvh, hd), np.float32)

@@ -271,6 +271,48 @@ def test_attention(klib: KernelLib, n_heads: int, n_kv_heads: int, head_dim: int
         assert rel_err(out, ref) <= F32_TOL, f"step {step}: error {rel_err(out, ref):.3g}"
 
 
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size,window", ATTENTION_CASES)
+def test_attention_rows_alone_or_together(klib: KernelLib, n_heads: int, n_kv_heads: int, head_dim: int,
+                                          block_size: int, window: int):
+    """Contexts of several key chunks (the vector kernels' unit of work, 128 positions) and a step of
+    9 consecutive rows of one sequence crossing a chunk boundary, as speculative verification runs
+    them: against the reference, and every row bit for bit what a step of that row alone gives (a
+    row's output must not depend on the other rows of its step)."""
+    scale = 1 / math.sqrt(head_dim)
+    spec = KernelSpec.make("attention", klib.isa, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                           block_size=block_size, scale=scale, window=window)
+    attrs = {"layer": 0, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "scale": scale,
+             "window": window}
+    rng = np.random.default_rng(7 * head_dim + block_size)
+    max_blocks = 270 // block_size + 1
+    n_blocks = 2 * max_blocks + 1
+    block_table = rng.permutation(n_blocks)[: 2 * max_blocks].astype(np.int32).reshape(2, max_blocks)
+    k_cache = np.zeros((n_blocks, block_size, n_kv_heads, head_dim), np.float32)
+    v_cache = np.zeros_like(k_cache)
+    store = KVStore()
+
+    def run(slots: np.ndarray, pos: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        out = np.full_like(q, np.nan)
+        klib.fn(spec)(klib.pool, klib.ptr(q), klib.ptr(k), klib.ptr(v), len(pos), klib.ptr(pos, "int32_t *"),
+                      klib.ptr(slots, "int32_t *"), klib.ptr(block_table, "int32_t *"), max_blocks,
+                      klib.ptr(k_cache), klib.ptr(v_cache), klib.ptr(out))
+        return out
+
+    for step in ([(0, range(251)), (1, range(140))], [(0, range(251, 260)), (1, range(140, 141))]):
+        slots = np.array([s for s, ps in step for _ in ps], dtype=np.int32)
+        pos = np.array([p for _, ps in step for p in ps], dtype=np.int32)
+        T = len(pos)
+        q = rng.standard_normal((T, n_heads * head_dim), dtype=np.float32) * 2.0
+        k, v = (rng.standard_normal((T, n_kv_heads * head_dim), dtype=np.float32) for _ in range(2))
+        ctx = Step(seq_ids=slots, logits_rows=np.arange(T), kv=store)
+        ref = reference("attention", [q, k, v, pos], [], attrs, ctx)
+        out = run(slots, pos, q, k, v)
+        assert rel_err(out, ref) <= F32_TOL, f"step {step}: error {rel_err(out, ref):.3g}"
+    for t in range(T):                          # the last step's rows again, one at a time
+        alone = run(slots[t:t + 1], pos[t:t + 1], q[t:t + 1], k[t:t + 1], v[t:t + 1])
+        np.testing.assert_array_equal(alone[0], out[t], err_msg=f"row {t} (position {pos[t]}) alone")
+
+
 @pytest.mark.parametrize("N", ELTWISE_SIZES)
 @pytest.mark.parametrize("op", ["silu_mul", "add", "gelu:tanh", "gelu:none"])
 def test_elementwise(klib: KernelLib, op: str, N: int):

@@ -234,13 +234,14 @@ def test_attention_sinks(klib: KernelLib, case: tuple) -> None:
              "window": window, "sinks": True}
     sinks = np.array(sinks_of(h), dtype=np.float32)
     rng = np.random.default_rng(hd * block)
-    max_blocks = 24 // block + 1
+    max_blocks = 160 // block + 1       # contexts past the vector kernels' first key chunk
     n_blocks = 2 * max_blocks + 1
     block_table = rng.permutation(n_blocks)[: 2 * max_blocks].astype(np.int32).reshape(2, max_blocks)
     k_cache = np.zeros((n_blocks, block, kvh, hd), np.float32)
     v_cache = np.zeros_like(k_cache)
     store = KVStore()
-    for step in ([(0, range(11))], [(0, range(11, 12)), (1, range(7))], [(1, range(7, 8)), (0, range(12, 13))]):
+    for step in ([(0, range(11))], [(0, range(11, 12)), (1, range(7))], [(1, range(7, 8)), (0, range(12, 13))],
+                 [(0, range(13, 150)), (1, range(8, 9))], [(0, range(150, 153)), (1, range(9, 10))]):
         slots = np.array([s for s, ps in step for _ in ps], dtype=np.int32)
         pos = np.array([p for _, ps in step for p in ps], dtype=np.int32)
         T = len(pos)

@@ -298,6 +298,7 @@ def test_attention_rows_alone_or_together(klib: KernelLib, n_heads: int, n_kv_he
                       klib.ptr(k_cache), klib.ptr(v_cache), klib.ptr(out))
         return out
 
+    done = []
     for step in ([(0, range(251)), (1, range(140))], [(0, range(251, 260)), (1, range(140, 141))]):
         slots = np.array([s for s, ps in step for _ in ps], dtype=np.int32)
         pos = np.array([p for _, ps in step for p in ps], dtype=np.int32)
@@ -308,9 +309,12 @@ def test_attention_rows_alone_or_together(klib: KernelLib, n_heads: int, n_kv_he
         ref = reference("attention", [q, k, v, pos], [], attrs, ctx)
         out = run(slots, pos, q, k, v)
         assert rel_err(out, ref) <= F32_TOL, f"step {step}: error {rel_err(out, ref):.3g}"
-    for t in range(T):                          # the last step's rows again, one at a time
-        alone = run(slots[t:t + 1], pos[t:t + 1], q[t:t + 1], k[t:t + 1], v[t:t + 1])
-        np.testing.assert_array_equal(alone[0], out[t], err_msg=f"row {t} (position {pos[t]}) alone")
+        done.append((slots, pos, q, k, v, out))
+    # rows again, one at a time: the long step's (rows enough for the threads) and the short one's
+    for (slots, pos, q, k, v, out), rows in zip(done, ([0, 127, 128, 200, 250, 251, 390], range(10))):
+        for t in rows:
+            alone = run(slots[t:t + 1], pos[t:t + 1], q[t:t + 1], k[t:t + 1], v[t:t + 1])
+            np.testing.assert_array_equal(alone[0], out[t], err_msg=f"row {t} (position {pos[t]}) alone")
 
 
 @pytest.mark.parametrize("N", ELTWISE_SIZES)

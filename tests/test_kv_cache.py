@@ -428,6 +428,16 @@ def test_attention_kvq_kernel(kvq_lib, case):
     def ptr(a, ctype="float *"):
         return ffi.NULL if a is None else ffi.cast(ctype, ffi.from_buffer(a))
 
+    def run(slots, pos, q, k, v, pool=pool):
+        out = np.full_like(q, np.nan)
+        ring_lo = np.zeros(len(pos), np.int32)        # every slot's ring holds its sequence from 0
+        getattr(lib, spec.symbol)(pool, ptr(q), ptr(k), ptr(v), ptr(k_mean), len(pos), ptr(pos, "int32_t *"),
+                                  ptr(slots, "int32_t *"),
+                                  ptr(table, "int32_t *"), max_blocks, ptr(k_cache, "uint8_t *"),
+                                  ptr(v_cache, "uint8_t *"), ptr(k_ring, "uint16_t *"), ptr(v_ring, "uint16_t *"),
+                                  ptr(ring_lo, "int32_t *") if kv_window else ffi.NULL, ptr(out))
+        return out
+
     for step in STEPS:
         slots = np.array([s for s, ps in step for _ in ps], np.int32)
         pos = np.array([p for _, ps in step for p in ps], np.int32)
@@ -438,16 +448,21 @@ def test_attention_kvq_kernel(kvq_lib, case):
         k[:, 1] *= 8                                   # an outlier channel
         if centred:
             k += channel_means                         # means the rotation alone would spread, not remove
-        ring_lo = np.zeros(T, np.int32)               # every slot's ring holds its sequence from 0
         ctx = Step(seq_ids=np.array([seq_ids[s] for s in slots], np.int32), logits_rows=np.arange(T), kv=store)
         want = REGISTRY["attention"].reference([q, k, v, pos], [k_mean] if centred else [], attrs, ctx)[0]
-        out = np.full_like(q, np.nan)
-        getattr(lib, spec.symbol)(pool, ptr(q), ptr(k), ptr(v), ptr(k_mean), T, ptr(pos, "int32_t *"),
-                                  ptr(slots, "int32_t *"),
-                                  ptr(table, "int32_t *"), max_blocks, ptr(k_cache, "uint8_t *"),
-                                  ptr(v_cache, "uint8_t *"), ptr(k_ring, "uint16_t *"), ptr(v_ring, "uint16_t *"),
-                                  ptr(ring_lo, "int32_t *") if kv_window else ffi.NULL, ptr(out))
+        out = run(slots, pos, q, k, v)
         assert rel(out, want) <= KERNEL_TOL, f"{template_isa(spec)} step {step}: error {rel(out, want):.3g}"
+        if T == MAX_STEP_TOKENS:
+            chunk = (slots, pos, q, k, v, out)
+    # a long chunk's rows again (keys past one chunk of work), on one thread (whole groups of rows
+    # rather than split keys) and one at a time: the same bits, since a row's output must depend
+    # neither on the other rows of its step nor on the threads
+    slots, pos, q, k, v, out = chunk
+    one_thread = ffi.gc(lib.ife_pool_create(1), lib.ife_pool_destroy)
+    np.testing.assert_array_equal(run(slots, pos, q, k, v, one_thread), out, err_msg="on one thread")
+    for t in (0, 20, MAX_STEP_TOKENS - 1):
+        alone = run(slots[t:t + 1], pos[t:t + 1], q[t:t + 1], k[t:t + 1], v[t:t + 1])
+        np.testing.assert_array_equal(alone[0], out[t], err_msg=f"row {t} (position {pos[t]}) alone")
 
 
 def test_rotation_is_what_the_kernels_compute(kvq_lib):

@@ -296,14 +296,15 @@ def _check_attention_kvq(p: dict[str, Any]) -> None:
                 f"attention_kvq: ring_rows must exceed kv_window and be a multiple of {KVQ_RING_ALIGN}")
 
 
-#: Keys per score vector of the attention_kvq AVX-512 template, keys per work item when a token's
-#: keys are split across threads, and the work items per thread below which they are split.
+#: Keys per score vector of the attention_kvq AVX-512 template, keys per chunk (a row's keys are cut at
+#: its multiples when they are split across threads), and the groups of rows per thread below which
+#: they are split.
 _KVQ_TILE = 16                 # also quant.kv.P_GROUP: a tile is one probability group
 #: Columns of an f16 ring are a multiple of this: the AVX-512 template reads a tile of keys as
 #: contiguous ring columns, and every tile it uses (16 keys, or a whole block of 2, 4 or 8) divides it,
 #: so no tile wraps around the ring whatever the block size.
 KVQ_RING_ALIGN = _KVQ_TILE
-_KVQ_MIN_CHUNK_KEYS = 64
+_KVQ_CHUNK_KEYS = 64
 _KVQ_SPLIT_BELOW = 4
 #: Cache blocks read ahead by software prefetch, and the cache level they are brought to. The hardware
 #: prefetcher does not follow a block's reads well: each KV head's tile of an int8 block reads codes,
@@ -328,7 +329,7 @@ def _plan_attention_kvq(p: dict[str, Any], isa: str) -> dict[str, Any]:
             "v_codes_bytes": codes_bytes(p["v_format"], B, kvh, hd, value=True), "v_quad": V_QUAD,
             "k_block_bytes": block_bytes(p["k_format"], B, kvh, hd, group),
             "v_block_bytes": block_bytes(p["v_format"], B, kvh, hd, group, value=True),
-            "tile": tile, "min_chunk_tiles": max(1, _KVQ_MIN_CHUNK_KEYS // tile), "split_below": _KVQ_SPLIT_BELOW,
+            "tile": tile, "chunk_tiles": max(1, _KVQ_CHUNK_KEYS // tile), "split_below": _KVQ_SPLIT_BELOW,
             "prefetch_blocks": _KVQ_PREFETCH_BLOCKS, "prefetch_hint": _KVQ_PREFETCH_HINT,
             "k_chains": _kvq_score_chains(p)}
 

@@ -219,6 +219,9 @@ def main() -> None:
     from infeng_runtime.sampling import SamplingParams
     from infeng_runtime.speculative import MEASURED_T, CostModel
 
+    if args.artifact is not None and args.kv != "f32":
+        raise SystemExit("--kv applies to the registry model this bench compiles; an --artifact keeps the KV "
+                         "cache format it was compiled with")
     gguf = None
     if args.artifact is None:
         from infeng_models.registry import SMOLLM2_135M_INSTRUCT, fetch
@@ -228,9 +231,6 @@ def main() -> None:
         kv_tag = "" if args.kv == "f32" else f"-kv{args.kv}"
         args.artifact = compile_gguf(gguf, args.workdir / f"smollm2-{args.quant}{kv_tag}.infeng", args.quant,
                                      args.recompile, args.kv)
-    if args.artifact is not None and args.kv != "f32":
-        raise SystemExit("--kv applies to the registry model this bench compiles; an --artifact keeps the KV "
-                         "cache format it was compiled with")
     params = SamplingParams(max_new_tokens=args.max_tokens)
 
     def chat_ids(tok, message: str) -> tuple[str, list[int]]:

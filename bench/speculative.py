@@ -36,7 +36,11 @@ cost of ``1 + slope * (T - 1)`` (T: token rows; ``measured`` in the list: the ta
 speculation emits the plain tokens, so the replay gives the exact steps, drafts and acceptance of a
 real run, and the modelled speedup (plain steps / cost of the speculative steps); ``bound`` is the
 same drafter with each step's length known in hindsight (its accepted count), an upper bound for any
-length rule.
+length rule, and ``bound_tokens_per_step`` its tokens per step with every draft run (what the drafter
+can give at all). ``tree_tokens_per_step``: tokens per step if each step offered the target up to
+TREE_CANDIDATES prompt-lookup continuations at once (every earlier occurrence of the last 3, 2, then 1
+tokens, distinct continuations of up to ``--max-draft`` tokens) and kept the best, with hindsight: what a
+draft tree of prompt-lookup candidates could reach before paying for its rows.
 """
 from __future__ import annotations
 
@@ -194,6 +198,50 @@ def replay(prompt: list[int], output: list[int], cost, max_draft: int, hindsight
             "modelled_speedup": round(plain / seconds, 3) if seconds else 1.0}
 
 
+#: Prompt-lookup continuations a draft tree would offer per step (``--replay``'s tree_tokens_per_step).
+TREE_CANDIDATES = 8
+
+
+def lookup_candidates(tokens: list[int], k: int, length: int) -> list[tuple[int, ...]]:
+    """Up to ``k`` distinct continuations (``length`` tokens) of the earlier occurrences of the last 3,
+    then 2, then 1 tokens: of the 3-grams, the longest agreeing run before them first."""
+    n, out = len(tokens), []
+    for order in (3, 2, 1):
+        if n <= order:
+            continue
+        suffix = tokens[n - order:]
+        seen = [j for j in range(order, n) if tokens[j - order:j] == suffix]
+
+        def run_before(j: int) -> int:
+            m = 0
+            while m < 16 and j - order - 1 - m >= 0 and tokens[j - order - 1 - m] == tokens[n - order - 1 - m]:
+                m += 1
+            return m
+
+        for j in sorted(seen, key=lambda j: (run_before(j), j), reverse=True):
+            c = tuple(tokens[j:j + length])
+            if c and c not in out:
+                out.append(c)
+                if len(out) == k:
+                    return out
+    return out
+
+
+def tree_tokens_per_step(prompt: list[int], output: list[int], k: int, length: int) -> float:
+    """Tokens per step when each step keeps the best of ``lookup_candidates`` (hindsight)."""
+    tokens, done, steps = list(prompt) + output[:1], 1, 0
+    while done < len(output):
+        best = 0
+        for c in lookup_candidates(tokens, k, length):
+            a = 0
+            while a < len(c) and done + a < len(output) - 1 and c[a] == output[done + a]:
+                a += 1
+            best = max(best, a)
+        tokens += output[done:done + best + 1]
+        done, steps = done + best + 1, steps + 1
+    return round((len(output) - 1) / max(steps, 1), 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifact", type=Path, help="a compiled target (default: SmolLM2-135M-Instruct)")
@@ -254,10 +302,12 @@ def main() -> None:
                 continue
             ids = chat_ids(tok, message)[1]
             output = llm.generate([ids], params)[0].token_ids
+            tree = tree_tokens_per_step(ids, output, TREE_CANDIDATES, args.max_draft)
             for label, cost in costs.items():
+                bound = replay(ids, output, cost, args.max_draft, hindsight=True)
                 emit(prompt=name, kind=kind, mode="replay", cost=label, tokens=len(output),
-                     **replay(ids, output, cost, args.max_draft),
-                     bound=replay(ids, output, cost, args.max_draft, hindsight=True)["modelled_speedup"])
+                     **replay(ids, output, cost, args.max_draft), bound=bound["modelled_speedup"],
+                     bound_tokens_per_step=bound["tokens_per_step"], tree_tokens_per_step=tree)
         llm.close()
         return
 

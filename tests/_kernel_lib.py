@@ -1,5 +1,5 @@
 """The kernel tests' library: a grid of KernelSpecs for one ISA, built once, loaded with cffi, with
-a pool of POOL_THREADS threads; and the error metric they share."""
+a pool of POOL_THREADS threads; the error metric they share; one attention step's inputs."""
 from __future__ import annotations
 
 import cffi
@@ -41,3 +41,13 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     """max |got - ref| over max |ref| (in float64)."""
     scale = float(np.max(np.abs(ref))) or 1.0
     return float(np.max(np.abs(got.astype(np.float64) - ref.astype(np.float64)))) / scale
+
+
+def attention_step(rng: np.random.Generator, step, n_heads: int, n_kv_heads: int, head_dim: int):
+    """(slots, positions, q, k, v) of an attention step given as [(slot, positions), ...]: random
+    rows, q scaled by 2 so that the softmax is not flat."""
+    slots = np.array([s for s, ps in step for _ in ps], dtype=np.int32)
+    pos = np.array([p for _, ps in step for p in ps], dtype=np.int32)
+    q = rng.standard_normal((len(pos), n_heads * head_dim), dtype=np.float32) * 2.0
+    k, v = (rng.standard_normal((len(pos), n_kv_heads * head_dim), dtype=np.float32) for _ in range(2))
+    return slots, pos, q, k, v

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from _kernel_lib import KernelLib, rel_err
+from _kernel_lib import KernelLib, attention_step, rel_err
 
 from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import AMX_MIN_T, KernelSpec, library_sources, template_isa
@@ -300,12 +300,8 @@ def test_attention_rows_alone_or_together(klib: KernelLib, n_heads: int, n_kv_he
 
     done = []
     for step in ([(0, range(251)), (1, range(140))], [(0, range(251, 260)), (1, range(140, 141))]):
-        slots = np.array([s for s, ps in step for _ in ps], dtype=np.int32)
-        pos = np.array([p for _, ps in step for p in ps], dtype=np.int32)
-        T = len(pos)
-        q = rng.standard_normal((T, n_heads * head_dim), dtype=np.float32) * 2.0
-        k, v = (rng.standard_normal((T, n_kv_heads * head_dim), dtype=np.float32) for _ in range(2))
-        ctx = Step(seq_ids=slots, logits_rows=np.arange(T), kv=store)
+        slots, pos, q, k, v = attention_step(rng, step, n_heads, n_kv_heads, head_dim)
+        ctx = Step(seq_ids=slots, logits_rows=np.arange(len(pos)), kv=store)
         ref = reference("attention", [q, k, v, pos], [], attrs, ctx)
         out = run(slots, pos, q, k, v)
         assert rel_err(out, ref) <= F32_TOL, f"step {step}: error {rel_err(out, ref):.3g}"

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 import pytest
-from _kernel_lib import KernelLib, rel_err
+from _kernel_lib import KernelLib, attention_step, rel_err
 
 from infeng_compiler.codegen.kernels import KernelSpec, template_isa
 from infeng_compiler.codegen.moe_kernels import expert_linears, quantized_row_floats
@@ -242,11 +242,8 @@ def test_attention_sinks(klib: KernelLib, case: tuple) -> None:
     store = KVStore()
     for step in ([(0, range(11))], [(0, range(11, 12)), (1, range(7))], [(1, range(7, 8)), (0, range(12, 13))],
                  [(0, range(13, 150)), (1, range(8, 9))], [(0, range(150, 153)), (1, range(9, 10))]):
-        slots = np.array([s for s, ps in step for _ in ps], dtype=np.int32)
-        pos = np.array([p for _, ps in step for p in ps], dtype=np.int32)
+        slots, pos, q, k, v = attention_step(rng, step, h, kvh, hd)
         T = len(pos)
-        q = rng.standard_normal((T, h * hd), dtype=np.float32) * 2.0
-        k, v = (rng.standard_normal((T, kvh * hd), dtype=np.float32) for _ in range(2))
         ctx = Step(seq_ids=slots, logits_rows=np.arange(T), kv=store)
         ref = REGISTRY["attention"].reference([q, k, v, pos], [sinks], attrs, ctx)[0]
         out = np.full_like(q, np.nan)

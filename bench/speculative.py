@@ -12,7 +12,8 @@ values widened; ``none`` is f32; ``--kv``: its KV cache format, f32 by default, 
 keeps its KV cache). Prompts, chat-rendered, greedy:
 
 - input-grounded: rewrite, extract from and summarise a 512-token wikitext passage given in the
-  prompt; edit a given code file (rename a function, return the whole file);
+  prompt (``--passages N``: the same three tasks on N articles, ``rewrite-2`` ...); edit a given code
+  file (rename a function, return the whole file);
 - free generation: a story.
 
 Each prompt runs without speculation (``plain``), with n-gram/prompt lookup (``ngram``) and, with
@@ -81,22 +82,30 @@ def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def passage(tokenizer, n_tokens: int = 512) -> str:
-    """The first ``n_tokens`` tokens of a wikitext article body (headings dropped), as text."""
+def passage(tokenizer, n_tokens: int = 512, article: int = 0) -> str:
+    """The first ``n_tokens`` tokens of a wikitext article body (headings dropped), as text: the start
+    of the file for ``article`` 0, else the body of its ``article``-th article."""
     text = WIKITEXT.read_text(encoding="utf-8")
+    if article:
+        text = re.split(r"^ = [^=].* = $", text, flags=re.MULTILINE)[article + 1]
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("=")]
     body = " ".join(lines[:60])
     ids = tokenizer.encode(body)[:n_tokens]
     return tokenizer.decode(ids)
 
 
-def prompts(tokenizer) -> dict[str, tuple[str, str]]:
-    """name -> (kind, user message)."""
-    text = passage(tokenizer)
-    return {
-        "rewrite": ("grounded", f"Rewrite the following text, correcting any typos. Output the full text.\n\n{text}"),
-        "extract": ("grounded", f"Copy every sentence of the following text that mentions a year.\n\n{text}"),
-        "summarise": ("grounded", f"Summarise the following text.\n\n{text}"),
+def prompts(tokenizer, passages: int = 1) -> dict[str, tuple[str, str]]:
+    """name -> (kind, user message); the passage tasks once per passage (``rewrite``, ``rewrite-2``, ...)."""
+    out = {}
+    for i in range(passages):
+        text, tag = passage(tokenizer, article=i), "" if i == 0 else f"-{i + 1}"
+        out |= {
+            f"rewrite{tag}": ("grounded",
+                              f"Rewrite the following text, correcting any typos. Output the full text.\n\n{text}"),
+            f"extract{tag}": ("grounded", f"Copy every sentence of the following text that mentions a year.\n\n{text}"),
+            f"summarise{tag}": ("grounded", f"Summarise the following text.\n\n{text}"),
+        }
+    return out | {
         "code": ("grounded", ("Rename the function `sample` to `draw` in this Python file and return the whole "
                              f"file.\n\n```python\n{CODE_FILE}```")),
         "story": ("free", "Write a story about a dragon who learns to bake bread."),
@@ -255,6 +264,9 @@ def main() -> None:
     ap.add_argument("--max-draft", type=int, default=8, help="the most drafted tokens per step (ngram:K)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", default="rewrite,extract,summarise,code,story")
+    ap.add_argument("--passages", type=int, default=1,
+                    help="wikitext passages for the rewrite/extract/summarise prompts (the first article, then the "
+                         "2nd, 3rd, ...): a prompt's gain depends on the one output the model happens to write")
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "infeng" / "bench-speculative")
     ap.add_argument("--recompile", action="store_true", help="compile the artifacts even if the workdir has them")
     ap.add_argument("--no-peer", action="store_true")
@@ -297,8 +309,8 @@ def main() -> None:
             else:
                 costs[f"slope {item}"] = CostModel({t: 1 + float(item) * (t - 1) for t in MEASURED_T})
         tok = llm.tokenizer
-        for name, (kind, message) in prompts(tok).items():
-            if name not in args.prompts.split(","):
+        for name, (kind, message) in prompts(tok, args.passages).items():
+            if name.partition("-")[0] not in args.prompts.split(","):
                 continue
             ids = chat_ids(tok, message)[1]
             output = llm.generate([ids], params)[0].token_ids
@@ -321,7 +333,7 @@ def main() -> None:
     specs = {"plain": None, "ngram": f"ngram:{args.max_draft}", "draft": f"draft:{draft}:{args.max_draft}"}
     llms = {m: LLM(args.artifact, threads=args.threads, max_seqs=1, speculative=specs[m]) for m in modes}
     tok = llms[modes[0]].tokenizer
-    chosen = {k: v for k, v in prompts(tok).items() if k in args.prompts.split(",")}
+    chosen = {k: v for k, v in prompts(tok, args.passages).items() if k.partition("-")[0] in args.prompts.split(",")}
     peer = None if args.no_peer or gguf is None else peer_gguf(gguf, args.quant, args.workdir)
     for name, (kind, message) in chosen.items():
         text, ids = chat_ids(tok, message)

@@ -36,12 +36,14 @@ the n-gram speculator (``runtime/speculative.py``, the same code) over those tok
 cost of ``1 + slope * (T - 1)`` (T: token rows; ``measured`` in the list: the target's own curve). Greedy
 speculation emits the plain tokens, so the replay gives the exact steps, drafts and acceptance of a
 real run, and the modelled speedup (plain steps / cost of the speculative steps); ``bound`` is the
-same drafter with each step's length known in hindsight (its accepted count), an upper bound for any
-length rule, and ``bound_tokens_per_step`` its tokens per step with every draft run (what the drafter
-can give at all). ``tree_tokens_per_step``: tokens per step if each step offered the target up to
-TREE_CANDIDATES prompt-lookup continuations at once (every earlier occurrence of the last 3, 2, then 1
-tokens, distinct continuations of up to ``--max-draft`` tokens) and kept the best, with hindsight: what a
-draft tree of prompt-lookup candidates could reach before paying for its rows.
+same drafter with each step's length known in hindsight (its accepted count), nearly an upper bound
+for any length rule (not strictly: a rule that stops short puts the next step's drafts after other
+suffixes, which can find longer copies), and ``bound_tokens_per_step`` its tokens per step with
+every draft run (what the drafter can give at all). ``tree_tokens_per_step``: tokens per step if
+each step offered the target up to TREE_CANDIDATES prompt-lookup continuations at once (every
+earlier occurrence of the last 3, 2, then 1 tokens, distinct continuations of up to ``--max-draft``
+tokens) and kept the best, with hindsight: what a draft tree of prompt-lookup candidates could reach
+before paying for its rows.
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO.parent / "shared" / "assets" / "text" / "wikitext-2-raw-v1-test.txt"
+#: A wikitext article's title line (" = Title = "; sections are " == ... == ").
+ARTICLE_HEADING = r"^ = [^=].* = $"
 PEER = Path(os.environ.get("PEER_DIR", Path.home() / ".cache" / "infeng-peers")) / "llama.cpp"
 
 CODE_FILE = '''def sample(logits, params, rng):
@@ -87,7 +91,7 @@ def passage(tokenizer, n_tokens: int = 512, article: int = 0) -> str:
     of the file for ``article`` 0, else the body of its ``article``-th article."""
     text = WIKITEXT.read_text(encoding="utf-8")
     if article:
-        text = re.split(r"^ = [^=].* = $", text, flags=re.MULTILINE)[article + 1]
+        text = re.split(ARTICLE_HEADING, text, flags=re.MULTILINE)[article + 1]
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("=")]
     body = " ".join(lines[:60])
     ids = tokenizer.encode(body)[:n_tokens]
@@ -213,7 +217,7 @@ TREE_CANDIDATES = 8
 
 def lookup_candidates(tokens: list[int], k: int, length: int) -> list[tuple[int, ...]]:
     """Up to ``k`` distinct continuations (``length`` tokens) of the earlier occurrences of the last 3,
-    then 2, then 1 tokens: of the 3-grams, the longest agreeing run before them first."""
+    then 2, then 1 tokens; within an order, the longest agreeing run before the occurrence first."""
     n, out = len(tokens), []
     for order in (3, 2, 1):
         if n <= order:
@@ -273,6 +277,13 @@ def main() -> None:
     ap.add_argument("--replay", default=None,
                     help="no timing: replay the n-gram speculator with these step-cost slopes (or 'measured')")
     args = ap.parse_args()
+    tasks = ("rewrite", "extract", "summarise", "code", "story")
+    unknown = [name for name in args.prompts.split(",") if name not in tasks]
+    if unknown:
+        raise SystemExit(f"--prompts: unknown {', '.join(unknown)} (the tasks are {', '.join(tasks)})")
+    articles = len(re.findall(ARTICLE_HEADING, WIKITEXT.read_text(encoding="utf-8"), flags=re.MULTILINE))
+    if not 1 <= args.passages <= articles:
+        raise SystemExit(f"--passages must be between 1 and {articles} (the wikitext file's articles)")
 
     from infeng_runtime.chat import render_chat
     from infeng_runtime.llm import LLM

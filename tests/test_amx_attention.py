@@ -115,6 +115,14 @@ def run_steps(klib: KernelLib, spec: KernelSpec, min_t: int, tile_tol: float) ->
             assert err[tiled].max() <= tile_tol, f"step {step}: tile rows' error {err[tiled].max():.3g}"
         if (~tiled).any():
             assert err[~tiled].max() <= F32_TOL, f"step {step}: AVX-512 rows' error {err[~tiled].max():.3g}"
+        if tiled.any():     # rows off the tiles in a tiled step: the bits a step of that row alone gives
+            for t in np.flatnonzero(~tiled)[[0, -1]] if (~tiled).any() else ():
+                alone = np.full_like(q[:1], np.nan)
+                klib.fn(spec)(klib.pool, klib.ptr(q[t:t + 1]), klib.ptr(k[t:t + 1]), klib.ptr(v[t:t + 1]), 1,
+                              klib.ptr(pos[t:t + 1], "int32_t *"), klib.ptr(seq[t:t + 1], "int32_t *"),
+                              klib.ptr(block_table, "int32_t *"), max_blocks, klib.ptr(k_cache), klib.ptr(v_cache),
+                              klib.ptr(alone))
+                np.testing.assert_array_equal(alone[0], out[t], err_msg=f"step {step}: row {t} alone")
 
 
 @pytest.mark.parametrize("min_t,parts", [(LOW_MIN_T, 2), (kernels.AMX_ATTENTION_MIN_T, 2), (LOW_MIN_T, 1)],

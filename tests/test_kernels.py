@@ -18,7 +18,7 @@ import pytest
 from _kernel_lib import KernelLib, attention_step, rel_err
 
 from infeng_compiler.codegen.build import build_library
-from infeng_compiler.codegen.kernels import AMX_MIN_T, KernelSpec, library_sources, template_isa
+from infeng_compiler.codegen.kernels import AMX_ATTENTION_MIN_T, AMX_MIN_T, KernelSpec, library_sources, template_isa
 from infeng_compiler.codegen.target import TARGETS, host_features, runnable_targets
 from infeng_compiler.interp import KVStore, Step
 from infeng_compiler.ir.ops import REGISTRY, rope_inv_freq
@@ -44,6 +44,8 @@ ATTENTION_CASES = [  # (n_heads, n_kv_heads, head_dim, block_size, window)
     (3, 3, 40, 4, 0),
     (6, 2, 24, 8, 5),
     (2, 1, 32, 32, 0),      # MQA; a block holds two vectors of scores
+    (4, 2, 16, 48, 150),    # blocks that do not divide a key chunk; a window longer than one
+    (8, 1, 128, 16, 0),     # 8 query heads of 128 dims per KV head: the AVX-512 path's row groups of 1
 ]
 COPY_CASES = [(1728, 576, 576), (10, 3, 5)]
 
@@ -274,10 +276,12 @@ def test_attention(klib: KernelLib, n_heads: int, n_kv_heads: int, head_dim: int
 @pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size,window", ATTENTION_CASES)
 def test_attention_rows_alone_or_together(klib: KernelLib, n_heads: int, n_kv_heads: int, head_dim: int,
                                           block_size: int, window: int):
-    """Contexts of several key chunks (the vector kernels' unit of work, 128 positions) and a step of
-    9 consecutive rows of one sequence crossing a chunk boundary, as speculative verification runs
-    them: against the reference, and every row bit for bit what a step of that row alone gives (a
-    row's output must not depend on the other rows of its step)."""
+    """Contexts of several key chunks (the vector kernels' unit of work, 128 positions), prefill steps
+    of many rows and a step of 9 consecutive rows of one sequence crossing a chunk boundary, as
+    speculative verification runs them: against the reference, and rows bit for bit what a step of
+    that row alone gives and what one thread gives (a row's output must depend neither on the other
+    rows of its step nor on the threads). Runs stay below the AMX kernel's tile threshold, whose
+    tiles round to bf16."""
     scale = 1 / math.sqrt(head_dim)
     spec = KernelSpec.make("attention", klib.isa, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                            block_size=block_size, scale=scale, window=window)
@@ -290,27 +294,32 @@ def test_attention_rows_alone_or_together(klib: KernelLib, n_heads: int, n_kv_he
     k_cache = np.zeros((n_blocks, block_size, n_kv_heads, head_dim), np.float32)
     v_cache = np.zeros_like(k_cache)
     store = KVStore()
+    one_thread = klib.ffi.gc(klib.lib.ife_pool_create(1), klib.lib.ife_pool_destroy)
 
-    def run(slots: np.ndarray, pos: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    def run(slots, pos, q, k, v, pool=klib.pool) -> np.ndarray:
         out = np.full_like(q, np.nan)
-        klib.fn(spec)(klib.pool, klib.ptr(q), klib.ptr(k), klib.ptr(v), len(pos), klib.ptr(pos, "int32_t *"),
+        klib.fn(spec)(pool, klib.ptr(q), klib.ptr(k), klib.ptr(v), len(pos), klib.ptr(pos, "int32_t *"),
                       klib.ptr(slots, "int32_t *"), klib.ptr(block_table, "int32_t *"), max_blocks,
                       klib.ptr(k_cache), klib.ptr(v_cache), klib.ptr(out))
         return out
 
+    prefill = [[(s, range(p, min(p + AMX_ATTENTION_MIN_T - 1, end))) for s, end in ((0, 251), (1, 140)) if p < end]
+               for p in range(0, 251, AMX_ATTENTION_MIN_T - 1)]
     done = []
-    for step in ([(0, range(251)), (1, range(140))], [(0, range(251, 260)), (1, range(140, 141))]):
+    for step in [*prefill, [(0, range(251, 260)), (1, range(140, 141))]]:
         slots, pos, q, k, v = attention_step(rng, step, n_heads, n_kv_heads, head_dim)
         ctx = Step(seq_ids=slots, logits_rows=np.arange(len(pos)), kv=store)
         ref = reference("attention", [q, k, v, pos], [], attrs, ctx)
         out = run(slots, pos, q, k, v)
         assert rel_err(out, ref) <= F32_TOL, f"step {step}: error {rel_err(out, ref):.3g}"
         done.append((slots, pos, q, k, v, out))
-    # rows again, one at a time: the long step's (rows enough for the threads) and the short one's
-    for (slots, pos, q, k, v, out), rows in zip(done, ([0, 127, 128, 200, 250, 251, 390], range(10))):
-        for t in rows:
+    slots, pos, q, k, v, out = done[-1]
+    np.testing.assert_array_equal(run(slots, pos, q, k, v, one_thread), out, err_msg="the last step on one thread")
+    wanted = {(0, 0), (0, 127), (0, 128), (0, 200), (0, 250), (1, 139)} | {(s, p) for s, p in zip(slots, pos)}
+    for slots, pos, q, k, v, out in done:
+        for t in (t for t in range(len(pos)) if (slots[t], pos[t]) in wanted):
             alone = run(slots[t:t + 1], pos[t:t + 1], q[t:t + 1], k[t:t + 1], v[t:t + 1])
-            np.testing.assert_array_equal(alone[0], out[t], err_msg=f"row {t} (position {pos[t]}) alone")
+            np.testing.assert_array_equal(alone[0], out[t], err_msg=f"slot {slots[t]} position {pos[t]} alone")
 
 
 @pytest.mark.parametrize("N", ELTWISE_SIZES)

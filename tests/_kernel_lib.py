@@ -1,5 +1,5 @@
 """The kernel tests' library: a grid of KernelSpecs for one ISA, built once, loaded with cffi, with
-a pool of POOL_THREADS threads; the error metric they share; one attention step's inputs."""
+a pool of POOL_THREADS threads; the error metric they share; one attention step's inputs and run."""
 from __future__ import annotations
 
 import cffi
@@ -26,6 +26,10 @@ class KernelLib:
         self.lib = self.ffi.dlopen(str(self.build.path))
         self.pool = self.ffi.gc(self.lib.ife_pool_create(POOL_THREADS), self.lib.ife_pool_destroy)
 
+    def pool_of(self, threads: int):
+        """Another pool, of ``threads`` threads (the library's own has POOL_THREADS)."""
+        return self.ffi.gc(self.lib.ife_pool_create(threads), self.lib.ife_pool_destroy)
+
     def fn(self, spec: KernelSpec):
         return getattr(self.lib, spec.symbol)
 
@@ -51,3 +55,26 @@ def attention_step(rng: np.random.Generator, step, n_heads: int, n_kv_heads: int
     q = rng.standard_normal((len(pos), n_heads * head_dim), dtype=np.float32) * 2.0
     k, v = (rng.standard_normal((len(pos), n_kv_heads * head_dim), dtype=np.float32) for _ in range(2))
     return slots, pos, q, k, v
+
+
+def run_attention(klib: KernelLib, spec: KernelSpec, step_inputs, cache, pool=None) -> np.ndarray:
+    """One step of an attention (or attention_sinks) kernel of ``klib``: ``step_inputs`` as
+    attention_step returns them, ``cache`` = (block_table, max_blocks, k_cache, v_cache)."""
+    slots, pos, q, k, v = step_inputs
+    block_table, max_blocks, k_cache, v_cache = cache
+    out = np.full_like(q, np.nan)
+    klib.fn(spec)(klib.pool if pool is None else pool, klib.ptr(q), klib.ptr(k), klib.ptr(v), len(pos),
+                  klib.ptr(pos, "int32_t *"), klib.ptr(slots, "int32_t *"), klib.ptr(block_table, "int32_t *"),
+                  max_blocks, klib.ptr(k_cache), klib.ptr(v_cache), klib.ptr(out))
+    return out
+
+
+def paged_cache(rng: np.random.Generator, slots: int, positions: int, block_size: int, n_kv_heads: int,
+                head_dim: int):
+    """(block_table, max_blocks, k_cache, v_cache): an f32 paged cache for ``slots`` sequences of up to
+    ``positions`` positions, their blocks scattered over the pool (one spare)."""
+    max_blocks = positions // block_size + 1
+    n_blocks = slots * max_blocks + 1
+    block_table = rng.permutation(n_blocks)[: slots * max_blocks].astype(np.int32).reshape(slots, max_blocks)
+    k_cache = np.zeros((n_blocks, block_size, n_kv_heads, head_dim), np.float32)
+    return block_table, max_blocks, k_cache, np.zeros_like(k_cache)

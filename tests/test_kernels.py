@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from _kernel_lib import KernelLib, attention_step, rel_err
+from _kernel_lib import KernelLib, attention_step, paged_cache, rel_err, run_attention
 
 from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import AMX_ATTENTION_MIN_T, AMX_MIN_T, KernelSpec, library_sources, template_isa
@@ -288,37 +288,28 @@ def test_attention_rows_alone_or_together(klib: KernelLib, n_heads: int, n_kv_he
     attrs = {"layer": 0, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "scale": scale,
              "window": window}
     rng = np.random.default_rng(7 * head_dim + block_size)
-    max_blocks = 270 // block_size + 1
-    n_blocks = 2 * max_blocks + 1
-    block_table = rng.permutation(n_blocks)[: 2 * max_blocks].astype(np.int32).reshape(2, max_blocks)
-    k_cache = np.zeros((n_blocks, block_size, n_kv_heads, head_dim), np.float32)
-    v_cache = np.zeros_like(k_cache)
+    cache = paged_cache(rng, 2, 270, block_size, n_kv_heads, head_dim)
     store = KVStore()
-    one_thread = klib.ffi.gc(klib.lib.ife_pool_create(1), klib.lib.ife_pool_destroy)
-
-    def run(slots, pos, q, k, v, pool=klib.pool) -> np.ndarray:
-        out = np.full_like(q, np.nan)
-        klib.fn(spec)(pool, klib.ptr(q), klib.ptr(k), klib.ptr(v), len(pos), klib.ptr(pos, "int32_t *"),
-                      klib.ptr(slots, "int32_t *"), klib.ptr(block_table, "int32_t *"), max_blocks,
-                      klib.ptr(k_cache), klib.ptr(v_cache), klib.ptr(out))
-        return out
 
     prefill = [[(s, range(p, min(p + AMX_ATTENTION_MIN_T - 1, end))) for s, end in ((0, 251), (1, 140)) if p < end]
                for p in range(0, 251, AMX_ATTENTION_MIN_T - 1)]
     done = []
     for step in [*prefill, [(0, range(251, 260)), (1, range(140, 141))]]:
-        slots, pos, q, k, v = attention_step(rng, step, n_heads, n_kv_heads, head_dim)
+        inputs = attention_step(rng, step, n_heads, n_kv_heads, head_dim)
+        slots, pos, q, k, v = inputs
         ctx = Step(seq_ids=slots, logits_rows=np.arange(len(pos)), kv=store)
         ref = reference("attention", [q, k, v, pos], [], attrs, ctx)
-        out = run(slots, pos, q, k, v)
+        out = run_attention(klib, spec, inputs, cache)
         assert rel_err(out, ref) <= F32_TOL, f"step {step}: error {rel_err(out, ref):.3g}"
-        done.append((slots, pos, q, k, v, out))
-    slots, pos, q, k, v, out = done[-1]
-    np.testing.assert_array_equal(run(slots, pos, q, k, v, one_thread), out, err_msg="the last step on one thread")
-    wanted = {(0, 0), (0, 127), (0, 128), (0, 200), (0, 250), (1, 139)} | {(s, p) for s, p in zip(slots, pos)}
-    for slots, pos, q, k, v, out in done:
+        done.append((inputs, out))
+    inputs, out = done[-1]
+    np.testing.assert_array_equal(run_attention(klib, spec, inputs, cache, klib.pool_of(1)), out,
+                                  err_msg="the last step on one thread")
+    wanted = {(0, 0), (0, 127), (0, 128), (0, 200), (0, 250), (1, 139)} | set(zip(inputs[0], inputs[1]))
+    for inputs, out in done:
+        slots, pos = inputs[:2]
         for t in (t for t in range(len(pos)) if (slots[t], pos[t]) in wanted):
-            alone = run(slots[t:t + 1], pos[t:t + 1], q[t:t + 1], k[t:t + 1], v[t:t + 1])
+            alone = run_attention(klib, spec, [x[t:t + 1] for x in inputs], cache)
             np.testing.assert_array_equal(alone[0], out[t], err_msg=f"slot {slots[t]} position {pos[t]} alone")
 
 

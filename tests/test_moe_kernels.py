@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 import pytest
-from _kernel_lib import KernelLib, attention_step, rel_err
+from _kernel_lib import KernelLib, attention_step, paged_cache, rel_err, run_attention
 
 from infeng_compiler.codegen.kernels import KernelSpec, template_isa
 from infeng_compiler.codegen.moe_kernels import expert_linears, quantized_row_floats
@@ -237,33 +237,23 @@ def test_attention_sinks(klib: KernelLib, case: tuple) -> None:
              "window": window, "sinks": True}
     sinks = np.array(sinks_of(h), dtype=np.float32)
     rng = np.random.default_rng(hd * block)
-    max_blocks = 160 // block + 1
-    n_blocks = 2 * max_blocks + 1
-    block_table = rng.permutation(n_blocks)[: 2 * max_blocks].astype(np.int32).reshape(2, max_blocks)
-    k_cache = np.zeros((n_blocks, block, kvh, hd), np.float32)
-    v_cache = np.zeros_like(k_cache)
+    cache = paged_cache(rng, 2, 160, block, kvh, hd)
     store = KVStore()
-    one_thread = klib.ffi.gc(klib.lib.ife_pool_create(1), klib.lib.ife_pool_destroy)
-
-    def run(slots, pos, q, k, v, pool=klib.pool) -> np.ndarray:
-        out = np.full_like(q, np.nan)
-        klib.fn(spec)(pool, klib.ptr(q, "float *"), klib.ptr(k, "float *"), klib.ptr(v, "float *"), len(pos),
-                      klib.ptr(pos, "int32_t *"), klib.ptr(slots, "int32_t *"), klib.ptr(block_table, "int32_t *"),
-                      max_blocks, klib.ptr(k_cache, "float *"), klib.ptr(v_cache, "float *"), klib.ptr(out, "float *"))
-        return out
 
     steps = ([(0, range(11))], [(0, range(11, 12)), (1, range(7))], [(1, range(7, 8)), (0, range(12, 13))],
              [(0, range(13, 70)), (1, range(8, 9))], [(0, range(70, 127))],
              [(0, range(127, 150)), (1, range(9, 10))], [(0, range(150, 153)), (1, range(10, 11))])
     for step in steps:
-        slots, pos, q, k, v = attention_step(rng, step, h, kvh, hd)
+        inputs = attention_step(rng, step, h, kvh, hd)
+        slots, pos, q, k, v = inputs
         ctx = Step(seq_ids=slots, logits_rows=np.arange(len(pos)), kv=store)
         ref = REGISTRY["attention"].reference([q, k, v, pos], [sinks], attrs, ctx)[0]
-        out = run(slots, pos, q, k, v)
+        out = run_attention(klib, spec, inputs, cache)
         assert rel_err(out, ref) <= F32_TOL, f"step {step}: error {rel_err(out, ref):.3g}"
-    np.testing.assert_array_equal(run(slots, pos, q, k, v, one_thread), out, err_msg="the last step on one thread")
+    np.testing.assert_array_equal(run_attention(klib, spec, inputs, cache, klib.pool_of(1)), out,
+                                  err_msg="the last step on one thread")
     for t in range(len(pos)):
-        alone = run(slots[t:t + 1], pos[t:t + 1], q[t:t + 1], k[t:t + 1], v[t:t + 1])
+        alone = run_attention(klib, spec, [x[t:t + 1] for x in inputs], cache)
         np.testing.assert_array_equal(alone[0], out[t], err_msg=f"slot {slots[t]} position {pos[t]} alone")
 
 

@@ -218,20 +218,15 @@ TREE_CANDIDATES = 8
 def lookup_candidates(tokens: list[int], k: int, length: int) -> list[tuple[int, ...]]:
     """Up to ``k`` distinct continuations (``length`` tokens) of the earlier occurrences of the last 3,
     then 2, then 1 tokens; within an order, the longest agreeing run before the occurrence first."""
+    from infeng_runtime.speculative import run_before
+
     n, out = len(tokens), []
     for order in (3, 2, 1):
         if n <= order:
             continue
         suffix = tokens[n - order:]
         seen = [j for j in range(order, n) if tokens[j - order:j] == suffix]
-
-        def run_before(j: int) -> int:
-            m = 0
-            while m < 16 and j - order - 1 - m >= 0 and tokens[j - order - 1 - m] == tokens[n - order - 1 - m]:
-                m += 1
-            return m
-
-        for j in sorted(seen, key=lambda j: (run_before(j), j), reverse=True):
+        for j in sorted(seen, key=lambda j: (run_before(tokens, j - order, n - order), j), reverse=True):
             c = tuple(tokens[j:j + length])
             if c and c not in out:
                 out.append(c)

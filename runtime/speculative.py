@@ -188,7 +188,7 @@ class SpecState:
 
 
 # -- drafters ---------------------------------------------------------------------------------
-def _run_before(tokens: list[int], a: int, b: int) -> int:
+def run_before(tokens: list[int], a: int, b: int) -> int:
     """How many tokens before positions ``a`` and ``b`` agree, going back (at most LONGEST_RUN)."""
     m = 0
     while m < LONGEST_RUN and a - 1 - m >= 0 and tokens[a - 1 - m] == tokens[b - 1 - m]:
@@ -230,7 +230,7 @@ class NgramDrafter:
         if seen:
             # of the last few occurrences of the top-order n-gram, the one whose tokens before it
             # agree longest with the sequence's (the most recent among equals)
-            j = max(seen[-MAX_OCCURRENCES:], key=lambda q: (_run_before(tokens, q - top, L - top), q))
+            j = max(seen[-MAX_OCCURRENCES:], key=lambda q: (run_before(tokens, q - top, L - top), q))
         else:
             j = None
             for n in NGRAM_ORDERS[1:]:

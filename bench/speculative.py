@@ -43,7 +43,8 @@ every draft run (what the drafter can give at all). ``tree_tokens_per_step``: to
 each step offered the target up to TREE_CANDIDATES prompt-lookup continuations at once (every
 earlier occurrence of the last 3, 2, then 1 tokens, distinct continuations of up to ``--max-draft``
 tokens) and kept the best, with hindsight: what a draft tree of prompt-lookup candidates could reach
-before paying for its rows.
+before paying for its rows; ``tree_bound`` its modelled speedup with each step costed at the rows it
+keeps (an upper bound for any tree of those candidates, which also pays for the rows it drops).
 """
 from __future__ import annotations
 
@@ -211,7 +212,7 @@ def replay(prompt: list[int], output: list[int], cost, max_draft: int, hindsight
             "modelled_speedup": round(plain / seconds, 3) if seconds else 1.0}
 
 
-#: Prompt-lookup continuations a draft tree would offer per step (``--replay``'s tree_tokens_per_step).
+#: Prompt-lookup continuations a draft tree would offer per step (``--replay``'s tree_* figures).
 TREE_CANDIDATES = 8
 
 
@@ -235,9 +236,11 @@ def lookup_candidates(tokens: list[int], k: int, length: int) -> list[tuple[int,
     return out
 
 
-def tree_tokens_per_step(prompt: list[int], output: list[int], k: int, length: int) -> float:
-    """Tokens per step when each step keeps the best of ``lookup_candidates`` (hindsight)."""
-    tokens, done, steps = list(prompt) + output[:1], 1, 0
+def tree_oracle(prompt: list[int], output: list[int], k: int, length: int, cost) -> dict:
+    """Each step keeps the best of ``lookup_candidates`` (hindsight) and is costed at the rows it
+    keeps: tokens per step and the modelled speedup over plain decode (as ``replay``'s)."""
+    tokens, done, steps, seconds = list(prompt) + output[:1], 1, 0, 0.0
+    plain = sum(cost.at(1, len(prompt) + i) for i in range(1, len(output)))
     while done < len(output):
         best = 0
         for c in lookup_candidates(tokens, k, length):
@@ -245,9 +248,11 @@ def tree_tokens_per_step(prompt: list[int], output: list[int], k: int, length: i
             while a < len(c) and done + a < len(output) - 1 and c[a] == output[done + a]:
                 a += 1
             best = max(best, a)
+        seconds += cost.at(1 + best, len(tokens))
         tokens += output[done:done + best + 1]
         done, steps = done + best + 1, steps + 1
-    return round((len(output) - 1) / max(steps, 1), 2)
+    return {"tokens_per_step": round((len(output) - 1) / max(steps, 1), 2),
+            "modelled_speedup": round(plain / seconds, 3) if seconds else 1.0}
 
 
 def main() -> None:
@@ -276,6 +281,9 @@ def main() -> None:
     unknown = [name for name in args.prompts.split(",") if name not in tasks]
     if unknown:
         raise SystemExit(f"--prompts: unknown {', '.join(unknown)} (the tasks are {', '.join(tasks)})")
+    for item in args.replay.split(",") if args.replay else ():
+        if item != "measured" and not re.fullmatch(r"\d+(\.\d*)?", item):
+            raise SystemExit(f"--replay: {item!r} is neither a slope nor 'measured'")
     articles = len(re.findall(ARTICLE_HEADING, WIKITEXT.read_text(encoding="utf-8"), flags=re.MULTILINE))
     if not 1 <= args.passages <= articles:
         raise SystemExit(f"--passages must be between 1 and {articles} (the wikitext file's articles)")
@@ -303,8 +311,12 @@ def main() -> None:
         text = render_chat(tok, [{"role": "user", "content": message}], add_generation_prompt=True)
         return text, tok.encode(text, add_bos=False)
 
+    chosen_prompts = args.prompts.split(",")
     if args.replay:
         llm = LLM(args.artifact, threads=args.threads, max_seqs=1)
+        tok = llm.tokenizer
+        chosen = {name: item for name, item in prompts(tok, args.passages).items()
+                  if name.partition("-")[0] in chosen_prompts}
         costs = {}
         for item in args.replay.split(","):
             if item == "measured":
@@ -314,18 +326,16 @@ def main() -> None:
                 costs[item] = CostModel({t: measured.at(t) / unit for t in MEASURED_T}, deep, measured.depth)
             else:
                 costs[f"slope {item}"] = CostModel({t: 1 + float(item) * (t - 1) for t in MEASURED_T})
-        tok = llm.tokenizer
-        for name, (kind, message) in prompts(tok, args.passages).items():
-            if name.partition("-")[0] not in args.prompts.split(","):
-                continue
+        for name, (kind, message) in chosen.items():
             ids = chat_ids(tok, message)[1]
             output = llm.generate([ids], params)[0].token_ids
-            tree = tree_tokens_per_step(ids, output, TREE_CANDIDATES, args.max_draft)
             for label, cost in costs.items():
                 bound = replay(ids, output, cost, args.max_draft, hindsight=True)
+                tree = tree_oracle(ids, output, TREE_CANDIDATES, args.max_draft, cost)
                 emit(prompt=name, kind=kind, mode="replay", cost=label, tokens=len(output),
                      **replay(ids, output, cost, args.max_draft), bound=bound["modelled_speedup"],
-                     bound_tokens_per_step=bound["tokens_per_step"], tree_tokens_per_step=tree)
+                     bound_tokens_per_step=bound["tokens_per_step"], tree_tokens_per_step=tree["tokens_per_step"],
+                     tree_bound=tree["modelled_speedup"])
         llm.close()
         return
 
@@ -339,7 +349,7 @@ def main() -> None:
     specs = {"plain": None, "ngram": f"ngram:{args.max_draft}", "draft": f"draft:{draft}:{args.max_draft}"}
     llms = {m: LLM(args.artifact, threads=args.threads, max_seqs=1, speculative=specs[m]) for m in modes}
     tok = llms[modes[0]].tokenizer
-    chosen = {k: v for k, v in prompts(tok, args.passages).items() if k.partition("-")[0] in args.prompts.split(",")}
+    chosen = {k: v for k, v in prompts(tok, args.passages).items() if k.partition("-")[0] in chosen_prompts}
     peer = None if args.no_peer or gguf is None else peer_gguf(gguf, args.quant, args.workdir)
     for name, (kind, message) in chosen.items():
         text, ids = chat_ids(tok, message)

@@ -182,7 +182,8 @@ def test_linear_rows_do_not_depend_on_the_row_count(qlib: KernelLib, name: str) 
         x = (np.random.default_rng(K + 3 * N).standard_normal((T, K)) * 2).astype(np.float32)
         xin = pack_act_rows(x, 8 if fmt.bits == 4 else 16) if fmt.kind == "int" else x
         together = _run_linear(qlib, spec, xin, packed, bias, N)
-        slices = [(0, 2), (1, 4), (3, 8), (2, 7), (0, 8), (0, 9), (4, 8), (9, 16)]   # streamed: 8 rows a pass
+        # streamed up to STREAM_T rows, in passes of at most 8 rows and of even size (9 = 5 + 4)
+        slices = [(0, 2), (1, 4), (3, 8), (2, 7), (0, 8), (0, 9), (4, 8), (9, 16), (0, 12), (2, 15), (0, 16), (1, 17)]
         for t0, t1 in [(t, t + 1) for t in range(T)] + slices:
             part = _run_linear(qlib, spec, xin[t0:t1], packed, bias, N)
             assert np.array_equal(part, together[t0:t1]), (qlib.isa, name, K, N, t0, t1)

@@ -39,9 +39,13 @@ GEMV_PREFETCH_BYTES = 512
 #: within noise of one another.
 GEMV_PREFETCH_BYTES_INT8 = 2048
 #: Token rows up to which the int4/int8 AVX-512 kernels stream each weight block once with that prefetch
-#: (stream_block) instead of running micro-tiles: measured on the dev machine (Zen 5),
-#: `python bench/kernels.py --wdtypes q4g32 --tokens 1,2,4,8,12,16 --threads 2`.
-STREAM_T = 8
+#: (stream_block, in passes of at most 8 rows and of even size) instead of running micro-tiles. The
+#: micro-tiles read without the prefetch, so a 9-row step cost 2-2.5x an 8-row one; streamed, 9-16
+#: rows (drafted tokens in a verification, a batch of speculating sequences) took 0.58-0.75x the
+#: micro-tiles' time for q8r and 0.70-0.93x for int4 on smollm135's shapes, 0.85-1.02x on 2048x8192
+#: (Zen 5, 2 threads, `python bench/kernels.py --wdtypes q4g32,q4g32m,q8r --tokens 8,9,12,16
+#: --threads 2 --rounds 5`). From 16 rows the AMX int4 kernel takes its tiles (AMX_MIN_T_Q4).
+STREAM_T = 16
 #: Independent partial sums per output along K in the fp8 kernels, the same for every number of
 #: token rows in a tile, so that a row's result does not depend on how many rows the step has.
 F8_PHASES = 2

@@ -1,9 +1,11 @@
-"""Speculative decoding at batch 1 on a real model (BENCHMARKS.md, "Speculative decoding protocol").
+"""Speculative decoding on a real model, batch 1 and (``--batch``) several prompts at a time
+(BENCHMARKS.md, "Speculative decoding protocol").
 
     python bench/speculative.py --threads 2                                  # SmolLM2-135M-Instruct, int4
     python bench/speculative.py --threads 2 --quant f16 --draft-quant int4   # f16 target, int4 draft
     python bench/speculative.py --threads 2 --kv f16                         # f16 KV, as llama.cpp's default
     python bench/speculative.py --artifact x.infeng --modes plain,ngram
+    python bench/speculative.py --threads 2 --passages 3 --batch 4 --no-peer   # also 4 prompts at a time
     python bench/speculative.py --replay 0.1,0.2                             # deterministic, no timing
 
 The model is SmolLM2-135M-Instruct from the package registry (``infeng_models.registry``), compiled
@@ -22,6 +24,10 @@ the modes alternate ``--rounds`` times and each keeps its best decode speed. Eve
 the plain run's tokens (greedy speculation is exact); a mismatch is reported as ``"same": false``.
 One JSON line per prompt and mode: decode tok/s (tokens after the first / time from the first to
 the last), the speedup over plain, acceptance (accepted / drafted tokens), tokens per target step.
+With ``--batch N``, the grounded prompts also run N at a time (one batch per N, in order, as a
+server decodes concurrent requests): one line per batch and mode with the batch's decode tok/s
+(tokens after each prompt's first / seconds from the batch's last first token to its end), the
+speedup over plain and the token rows per step.
 
 With llama.cpp built (``../shared/tools/build-llamacpp.sh``), in the same run and on the same
 weights (the registry's Q4_1 GGUF for an int4 target; for f32/f16/bf16/int8 targets that GGUF
@@ -53,6 +59,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,6 +278,8 @@ def main() -> None:
     ap.add_argument("--passages", type=int, default=1,
                     help="wikitext passages for the rewrite/extract/summarise prompts (the first article, then the "
                          "2nd, 3rd, ...): a prompt's gain depends on the one output the model happens to write")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="also decode the grounded prompts this many at a time (one batch per group, in order)")
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "infeng" / "bench-speculative")
     ap.add_argument("--recompile", action="store_true", help="compile the artifacts even if the workdir has them")
     ap.add_argument("--no-peer", action="store_true")
@@ -284,6 +293,8 @@ def main() -> None:
     for item in args.replay.split(",") if args.replay else ():
         if item != "measured" and not re.fullmatch(r"\d+(\.\d*)?", item):
             raise SystemExit(f"--replay: {item!r} is neither a slope nor 'measured'")
+    if not 1 <= args.batch <= 64:
+        raise SystemExit("--batch must be between 1 and 64")
     articles = len(re.findall(ARTICLE_HEADING, WIKITEXT.read_text(encoding="utf-8"), flags=re.MULTILINE))
     if not 1 <= args.passages <= articles:
         raise SystemExit(f"--passages must be between 1 and {articles} (the wikitext file's articles)")
@@ -347,7 +358,7 @@ def main() -> None:
         draft = compile_gguf(gguf, args.workdir / f"smollm2-{args.draft_quant}.infeng", args.draft_quant,
                              args.recompile)
     specs = {"plain": None, "ngram": f"ngram:{args.max_draft}", "draft": f"draft:{draft}:{args.max_draft}"}
-    llms = {m: LLM(args.artifact, threads=args.threads, max_seqs=1, speculative=specs[m]) for m in modes}
+    llms = {m: LLM(args.artifact, threads=args.threads, max_seqs=args.batch, speculative=specs[m]) for m in modes}
     tok = llms[modes[0]].tokenizer
     chosen = {k: v for k, v in prompts(tok, args.passages).items() if k.partition("-")[0] in chosen_prompts}
     peer = None if args.no_peer or gguf is None else peer_gguf(gguf, args.quant, args.workdir)
@@ -399,8 +410,43 @@ def main() -> None:
                     for mode in modes:
                         summary[f"{mode}_vs_{peer_mode}"] = round(summary[f"{mode}_tok_s"] / r["tok_s"], 3)
         emit(**summary)
+    if args.batch > 1:
+        grounded = [(name, chat_ids(tok, message)[1]) for name, (kind, message) in chosen.items() if kind == "grounded"]
+        for i in range(0, len(grounded) - args.batch + 1, args.batch):
+            batch_run(llms, modes, grounded[i:i + args.batch], params, args.rounds, args.threads)
     for llm in llms.values():
         llm.close()
+
+
+def batch_run(llms: dict, modes: list[str], batch: list[tuple[str, list[int]]], params, rounds: int,
+              threads: int) -> None:
+    """The prompts of ``batch`` in one generate call (decoded together), each mode, best of ``rounds``:
+    decode tok/s = tokens after each prompt's first / seconds from the last first token to the end."""
+    best: dict[str, dict] = {}
+    for _ in range(rounds):
+        for mode in modes:
+            llm = llms[mode]
+            if llm.loop.speculator is not None:
+                llm.loop.speculator.forget_requests()
+            steps0, rows0 = llm.loop.stats.steps, llm.loop.stats.tokens
+            t0 = time.perf_counter()
+            done = llm.generate([ids for _, ids in batch], params)
+            wall = time.perf_counter() - t0
+            decode = wall - max(c.prefill_seconds for c in done)
+            steps = llm.loop.stats.steps - steps0
+            r = {"tok_s": sum(len(c.token_ids) - 1 for c in done) / decode, "tokens": [c.token_ids for c in done],
+                 "rows_per_step": round((llm.loop.stats.tokens - rows0) / steps, 1)}
+            if mode not in best or r["tok_s"] > best[mode]["tok_s"]:
+                best[mode] = r
+    plain = best.get("plain")
+    for mode in modes:
+        r = best[mode]
+        row = {"prompt": "+".join(name for name, _ in batch), "mode": mode, "batch": len(batch),
+               "tok_s": round(r["tok_s"], 1), "rows_per_step": r["rows_per_step"], "threads": threads}
+        if plain is not None:
+            row["speedup"] = round(r["tok_s"] / plain["tok_s"], 3)
+            row["same"] = r["tokens"] == plain["tokens"]
+        emit(**row)
 
 
 if __name__ == "__main__":

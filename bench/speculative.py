@@ -421,7 +421,9 @@ def main() -> None:
 def batch_run(llms: dict, modes: list[str], batch: list[tuple[str, list[int]]], params, rounds: int,
               threads: int) -> None:
     """The prompts of ``batch`` in one generate call (decoded together), each mode, best of ``rounds``:
-    decode tok/s = tokens after each prompt's first / seconds from the last first token to the end."""
+    decode tok/s = tokens after each prompt's first / seconds from the last first token to the end;
+    token rows per step over all the call's steps (after the first round the prompts come from the
+    prefix cache, so their prefill is a row or two)."""
     best: dict[str, dict] = {}
     for _ in range(rounds):
         for mode in modes:
@@ -434,7 +436,8 @@ def batch_run(llms: dict, modes: list[str], batch: list[tuple[str, list[int]]], 
             wall = time.perf_counter() - t0
             decode = wall - max(c.prefill_seconds for c in done)
             steps = llm.loop.stats.steps - steps0
-            r = {"tok_s": sum(len(c.token_ids) - 1 for c in done) / decode, "tokens": [c.token_ids for c in done],
+            generated = sum(len(c.token_ids) - 1 for c in done)
+            r = {"tok_s": generated / decode if decode > 0 else 0.0, "tokens": [c.token_ids for c in done],
                  "rows_per_step": round((llm.loop.stats.tokens - rows0) / steps, 1)}
             if mode not in best or r["tok_s"] > best[mode]["tok_s"]:
                 best[mode] = r

@@ -5,7 +5,7 @@
     python bench/speculative.py --threads 2 --quant f16 --draft-quant int4   # f16 target, int4 draft
     python bench/speculative.py --threads 2 --kv f16                         # f16 KV, as llama.cpp's default
     python bench/speculative.py --artifact x.infeng --modes plain,ngram
-    python bench/speculative.py --threads 2 --passages 3 --batch 4 --no-peer   # also 4 prompts at a time
+    python bench/speculative.py --threads 2 --passages 3 --batch 4            # also 4 prompts at a time
     python bench/speculative.py --replay 0.1,0.2                             # deterministic, no timing
 
 The model is SmolLM2-135M-Instruct from the package registry (``infeng_models.registry``), compiled
@@ -27,7 +27,8 @@ the last), the speedup over plain, acceptance (accepted / drafted tokens), token
 With ``--batch N``, the grounded prompts also run N at a time (one batch per N, in order, as a
 server decodes concurrent requests): one line per batch and mode with the batch's decode tok/s
 (tokens after each prompt's first / seconds from the batch's last first token to its end), the
-speedup over plain and the token rows per step.
+speedup over plain and the token rows per step, and llama.cpp's plain decode of as many sequences
+at once (``llama-batched-bench``) at the batch's mean prompt length.
 
 With llama.cpp built (``../shared/tools/build-llamacpp.sh``), in the same run and on the same
 weights (the registry's Q4_1 GGUF for an int4 target; for f32/f16/bf16/int8 targets that GGUF
@@ -172,6 +173,19 @@ def peer_decode(gguf: Path, threads: int, n: int, depth: int) -> float | None:
         return None
     rows = json.loads(out.stdout)
     return float(rows[0]["avg_ts"]) if rows else None
+
+
+def peer_batched(gguf: Path, threads: int, n: int, depth: int, sequences: int) -> float | None:
+    """llama.cpp's plain decode of ``sequences`` sequences at once, tok/s over all of them: ``n``
+    tokens each after ``depth`` tokens of context (``llama-batched-bench``)."""
+    exe = peer_exe("llama-batched-bench")
+    if exe is None:
+        return None
+    out = subprocess.run([str(exe), "-m", str(gguf), "-t", str(threads), "-c", str(sequences * (depth + n) + 64),
+                          "-npp", str(depth), "-ntg", str(n), "-npl", str(sequences), "--output-format", "jsonl"],
+                         check=False, capture_output=True, text=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return float(rows[-1]["speed_tg"]) if out.returncode == 0 and rows else None
 
 
 def peer_speculative(exe_name: str, args: list[str], prompt: str, threads: int, n: int) -> dict | None:
@@ -413,17 +427,18 @@ def main() -> None:
     if args.batch > 1:
         grounded = [(name, chat_ids(tok, message)[1]) for name, (kind, message) in chosen.items() if kind == "grounded"]
         for i in range(0, len(grounded) - args.batch + 1, args.batch):
-            batch_run(llms, modes, grounded[i:i + args.batch], params, args.rounds, args.threads)
+            batch_run(llms, modes, grounded[i:i + args.batch], params, args.rounds, args.threads, peer)
     for llm in llms.values():
         llm.close()
 
 
 def batch_run(llms: dict, modes: list[str], batch: list[tuple[str, list[int]]], params, rounds: int,
-              threads: int) -> None:
+              threads: int, peer: Path | None) -> None:
     """The prompts of ``batch`` in one generate call (decoded together), each mode, best of ``rounds``:
     decode tok/s = tokens after each prompt's first / seconds from the last first token to the end;
     token rows per step over all the call's steps (after the first round the prompts come from the
-    prefix cache, so their prefill is a row or two)."""
+    prefix cache, so their prefill is a row or two). With ``peer``, llama.cpp's plain decode of as
+    many sequences at the batch's mean prompt length, in the same run."""
     best: dict[str, dict] = {}
     for _ in range(rounds):
         for mode in modes:
@@ -450,6 +465,13 @@ def batch_run(llms: dict, modes: list[str], batch: list[tuple[str, list[int]]], 
             row["speedup"] = round(r["tok_s"] / plain["tok_s"], 3)
             row["same"] = r["tokens"] == plain["tokens"]
         emit(**row)
+    if peer is not None:
+        depth = sum(len(ids) for _, ids in batch) // len(batch)
+        tok_s = peer_batched(peer, threads, params.max_new_tokens, depth, len(batch))
+        if tok_s:
+            emit(prompt="+".join(name for name, _ in batch), mode="llama_plain", batch=len(batch),
+                 tok_s=round(tok_s, 1), threads=threads, gguf=peer.name,
+                 **{f"{mode}_vs_llama_plain": round(best[mode]["tok_s"] / tok_s, 3) for mode in modes})
 
 
 if __name__ == "__main__":

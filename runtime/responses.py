@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from .api_errors import APIError
 from .detokenize import ChoiceText
 from .sampling import SEED_BOUND
-from .server import PRIORITY_BOUND, ChatBody, Server, _parse, _record
+from .server import MAX_TOOLS, PRIORITY_BOUND, ChatBody, Server, _parse, _record
 from .tools import ToolCall, ToolStream
 
 #: Input part types that carry text (``output_text``: an assistant turn given back as input).
@@ -58,7 +58,7 @@ class ResponsesBody(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None

@@ -52,7 +52,7 @@ from .chat import (SPECIAL_TOKEN_KEYS, TEMPLATE_GLOBALS, ChatTemplateError, mess
                    template_source)
 from .detokenize import ChoiceText, Delta, TokenTexts
 from .http_guard import AccessGuard, AccessPolicy, AdapterRoots, is_loopback_address
-from .json_body import parse_json
+from .json_body import JSONRejected, loads, parse_json
 from .loop import EngineLoop, EngineStopped
 from .metrics import ServerMetrics
 from .request_log import (LOG_FORMATS, LOG_LEVELS, LOGGER, InFlight, RequestLog, RequestRecord, configure_logging,
@@ -80,6 +80,9 @@ PRIORITY_BOUND = 1000
 #: token, if longer) cannot fit in the context whatever it tokenizes to: refused without tokenizing.
 CHARS_PER_TOKEN = 16
 MAX_ADAPTER_NAME = 128
+#: Most tools one request may define (OpenAI's own limit); together with the messages, their JSON
+#: text counts against the prompt bound (``max_prompt_chars``) before the chat template runs.
+MAX_TOOLS = 128
 #: ``chat_template_kwargs`` keys that would replace the renderer's own variables.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents", "chat_template",
                                       "additional_special_tokens", *SPECIAL_TOKEN_KEYS, *TEMPLATE_GLOBALS})
@@ -139,7 +142,7 @@ class ChatBody(_Body):
     add_generation_prompt: bool = True
     chat_template: Optional[str] = None            # a client's template: only with --trust-request-chat-template
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = Field(None, max_length=MAX_TOOLS)
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
 
@@ -155,7 +158,7 @@ class TokenizeBody(BaseModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     return_token_strs: bool = False
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = Field(None, max_length=MAX_TOOLS)
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
@@ -539,10 +542,10 @@ class Server:
             raise APIError(400, f"the request asks for {count} sequences (n x prompts); this server queues at most "
                                 f"{bound} (--max-queue), so it could never be admitted", param="n")
 
-    def _check_chars(self, chars: int, param: str) -> None:
+    def _check_chars(self, chars: int, param: str, subject: str = "the prompt has") -> None:
         if chars > self.max_prompt_chars:
             context = self.loop.scheduler.max_context
-            raise APIError(400, f"the prompt has {chars} characters; this model's context is {context} tokens, "
+            raise APIError(400, f"{subject} {chars} characters; this model's context is {context} tokens, "
                                 f"which no prompt longer than {self.max_prompt_chars} characters fits in",
                            param=param, code="context_length_exceeded")
 
@@ -596,9 +599,9 @@ class Server:
         for i, spec in enumerate(specs):
             if spec.kind == "json" and isinstance(spec.value, str):   # a schema sent as JSON text
                 try:
-                    specs[i] = GrammarSpec("json", json.loads(spec.value), spec.param)
-                except ValueError:
-                    raise APIError(400, f"{spec.param}: the schema is not valid JSON", param=spec.param) from None
+                    specs[i] = GrammarSpec("json", loads(spec.value), spec.param)
+                except JSONRejected as e:
+                    raise APIError(400, f"{spec.param}: the schema {e}", param=spec.param) from None
         if len(specs) > 1:
             raise APIError(400, f"give one output constraint, not {specs[0].param} and {specs[1].param}",
                            param=specs[1].param)
@@ -1074,7 +1077,11 @@ class Server:
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, template: str | None,
                 kwargs: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The prompt's token ids (on a text worker thread)."""
+        """The prompt's token ids (on a text worker thread). The messages and tools, then the
+        rendered text, must fit ``max_prompt_chars`` before anything costly runs on them."""
+        if tools:
+            chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools, ensure_ascii=False))
+            self._check_chars(chars, "tools", "the messages and tools have")
         try:
             if template_knows_tools(template_source(self.tokenizer, template)):
                 messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": arguments_object(
@@ -1089,6 +1096,7 @@ class Server:
             raise
         except Exception as e:                      # a template that trips over these messages' values
             raise ChatTemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+        self._check_chars(len(text), "messages", "the rendered prompt has")
         return self.tokenizer.encode_batch([text], False)[0]
 
     def _chat_logprobs(self, entries) -> list[dict[str, Any]]:
@@ -1126,17 +1134,26 @@ class Server:
         return out
 
     async def detokenize(self, http: HTTPRequest):
-        """vLLM's /detokenize: the text of token ids."""
+        """vLLM's /detokenize: the text of token ids (at most the model's context of them). The
+        body is parsed, checked and decoded on a text thread: a body of a million ids takes the
+        parser a tenth of a second, which the event loop must not spend."""
         self._admitting()
-        body: DetokenizeBody = _parse(DetokenizeBody, await http.body())
+        body: DetokenizeBody = await self._text_work(self._detokenize_body, await http.body())
         if body.model is not None:
             self._adapter_of(body.model)
+        return {"prompt": await self._text_work(self.tokenizer.decode, body.tokens, False)}
+
+    def _detokenize_body(self, raw: bytes) -> DetokenizeBody:
+        """A /detokenize body, its ids bounded and in the vocabulary (on a text thread)."""
+        body: DetokenizeBody = _parse(DetokenizeBody, raw)
+        limit = self.loop.scheduler.max_context
+        if len(body.tokens) > limit:
+            raise APIError(400, f"at most {limit} token ids (the model's context, --max-context), got "
+                                f"{len(body.tokens)}", param="tokens")
         vocab = self.engine.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        if len(body.tokens) > self.loop.scheduler.max_context * 16:
-            raise APIError(400, "too many tokens", param="tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return body
 
     # -- adapters -----------------------------------------------------------------------------
     async def load_adapter(self, http: HTTPRequest):

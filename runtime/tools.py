@@ -14,6 +14,10 @@ grammar instead (structured.tool_call_grammar), and their text is JSON: an array
 
 ``ToolStream`` does the same parsing incrementally for streams: content text is released as it
 comes (holding back what could be the start of ``<tool_call>``) and each call once it is complete.
+
+Every JSON text here (the model's calls, a request's call arguments) goes through
+``json_body.loads``: strict JSON of bounded depth, so a call nested too deeply, or with ``NaN`` or
+a lone surrogate in it, is not a call (its text stays content), never an error of the request.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from .json_body import loads
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -52,7 +58,7 @@ def arguments_object(arguments: Any) -> Any:
     """A call's arguments as a template wants them: JSON text parsed (transformers' convention)."""
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
+            return loads(arguments)
         except ValueError:
             return arguments
     return arguments
@@ -94,7 +100,7 @@ def _call_from(obj: Any) -> ToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):                       # already JSON text
         try:
-            json.loads(args)
+            loads(args)
         except ValueError:
             return None
         return ToolCall(obj["name"], args)
@@ -110,11 +116,11 @@ def _json_calls(text: str) -> list[ToolCall] | None:
         return None
     pieces = [text]
     try:
-        values = [json.loads(text)]
+        values = [loads(text)]
     except ValueError:
         pieces = [p for p in text.split(";") if p.strip()]
         try:
-            values = [json.loads(p) for p in pieces]
+            values = [loads(p) for p in pieces]
         except ValueError:
             return None
     flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
@@ -132,7 +138,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
             body, closed, rest = after.partition(TOOL_CALL_CLOSE)
             call = None
             try:
-                call = _call_from(json.loads(body))
+                call = _call_from(loads(body))
             except ValueError:
                 pass
             if call is None:                          # not a call after all: keep it as text
@@ -154,7 +160,7 @@ def parse_forced(text: str, named: str | None) -> list[ToolCall]:
     if named is not None:
         return [ToolCall(named, text.strip())]
     try:
-        values = json.loads(text)
+        values = loads(text)
     except ValueError:
         return []
     return [c for c in (_call_from(v) for v in (values if isinstance(values, list) else [values])) if c]
@@ -206,7 +212,7 @@ class ToolStream:
                     return events
                 call = None
                 try:
-                    call = _call_from(json.loads(body))
+                    call = _call_from(loads(body))
                 except ValueError:
                     pass
                 if call is None:

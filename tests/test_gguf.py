@@ -545,6 +545,71 @@ def test_bad_gguf_is_one_line_exit_2(hf_checkpoint, tmp_path: Path, case) -> Non
             assert needle in lines[0], lines[0]
 
 
+# malformed layouts and tokenizer arrays: the reader refuses them before any tensor is read
+def _patched_offsets(hf_checkpoint, tmp_path: Path, edit) -> tuple[Path, list]:
+    """A good file whose tensor offsets (relative to the data section) ``edit(offsets)`` rewrites
+    in place; the reader's tensors, for names."""
+    path = gguf_from_hf(hf_checkpoint("llama"), tmp_path / "patched.gguf")
+    reader = gguf.GGUFReader(str(path), "r+")
+    edit([t.field.parts[5] for t in reader.tensors])
+    reader.data.flush()
+    return path, reader.tensors
+
+
+def _overlapping(hf_checkpoint, tmp_path: Path) -> tuple[Path, list[str]]:
+    def edit(offsets):
+        offsets[1][0] = offsets[0][0] + 32                    # aligned, inside the first tensor
+    path, tensors = _patched_offsets(hf_checkpoint, tmp_path, edit)
+    return path, [f"tensors {tensors[0].name} and {tensors[1].name} overlap"]
+
+
+def _unaligned(hf_checkpoint, tmp_path: Path) -> tuple[Path, list[str]]:
+    def edit(offsets):
+        offsets[2][0] += 4
+    path, tensors = _patched_offsets(hf_checkpoint, tmp_path, edit)
+    return path, [f"tensor {tensors[2].name}", "not a multiple of the file's alignment (32 bytes)"]
+
+
+def _out_of_file(hf_checkpoint, tmp_path: Path) -> tuple[Path, list[str]]:
+    def edit(offsets):
+        offsets[2][0] = 2 ** 62
+    path, tensors = _patched_offsets(hf_checkpoint, tmp_path, edit)
+    return path, [f"tensor {tensors[2].name}", "runs past its end"]
+
+
+@pytest.mark.parametrize("case", [_overlapping, _unaligned, _out_of_file], ids=lambda f: f.__name__.strip("_"))
+def test_bad_tensor_layout_is_one_line_exit_2(hf_checkpoint, tmp_path: Path, case) -> None:
+    test_bad_gguf_is_one_line_exit_2(hf_checkpoint, tmp_path, case)
+
+
+def _byte_level_vocab(**edits) -> dict:
+    """A gpt2 (byte-level BPE) vocabulary of 64 tokens with one merge, edited."""
+    alphabet = list(gguf_frontend.byte_alphabet().values())
+    tokens = alphabet[:63] + ["!\""]
+    return {"model": "gpt2", "tokens": tokens, "types": [1] * 64, "merges": ['! "'], **edits}
+
+
+@pytest.mark.parametrize("edits, needles", [
+    ({}, None),
+    ({"merges": ["# $"]}, ["tokenizer.ggml.merges[0] = '# $' needs the token '#$'"]),   # tokenizers panics on it
+    ({"merges": ["zz qq"]}, ["tokenizer.ggml.merges[0]", "'zz'"]),
+    ({"tokens": list(range(64))}, ["tokenizer.ggml.tokens[0] is 0; the array holds strings"]),
+    ({"types": [1] * 3}, ["tokenizer.ggml.token_type has 3 entries for 64 tokens"]),
+    ({"pre": "llama3", "merges": [1, 2]}, ["tokenizer.ggml.merges[0] is 1"]),
+], ids=["good", "merge-result-missing", "merge-unknown-token", "tokens-not-strings", "types-short", "merges-not-strings"])
+def test_malformed_tokenizer_arrays_are_one_line(hf_checkpoint, tmp_path: Path, edits, needles) -> None:
+    path = gguf_from_hf(hf_checkpoint("llama"), tmp_path / "vocab.gguf", vocab=_byte_level_vocab(**edits))
+    result = CliRunner().invoke(app, ["compile", str(path), "-o", str(tmp_path / "out.infeng"), "--target", "scalar"])
+    if needles is None:
+        assert result.exit_code == 0, result.output
+        return
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0], result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
 def test_smollm2_served_answers_paris(smollm2: Path, tmp_path: Path, monkeypatch) -> None:
     """``infeng serve FILE.gguf --dtype f32`` (compiled into the artifact cache), the official openai
     client, the file's ChatML template: greedy, the France question is answered with Paris."""

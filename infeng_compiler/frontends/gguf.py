@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -94,7 +95,8 @@ def _reader_class():
 
     class Reader(gguf.GGUFReader):
         """``GGUFReader`` that names the tensor a truncated file cuts off, and an unknown type id,
-        instead of failing on a reshape."""
+        instead of failing on a reshape, and refuses tensors whose data is not aligned to the
+        file's ``general.alignment`` or overlaps another tensor's."""
 
         def __init__(self, path: Path):
             self.path = path
@@ -102,6 +104,7 @@ def _reader_class():
 
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             size = len(self.data)
+            spans: list[tuple[int, int, str]] = []               # (offset in the data section, bytes, name)
             for f in fields:
                 name = bytes(f.parts[1]).decode("utf-8", "replace")
                 dims, raw_type, offset = f.parts[3], int(f.parts[4][0]), int(f.parts[5][0])
@@ -111,11 +114,27 @@ def _reader_class():
                     raise UnsupportedError(f"{self.path}: tensor {name} has ggml type id {raw_type}, unknown to the "
                                            f"gguf package; supported: {', '.join(SUPPORTED_TYPES)}") from None
                 block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-                n_bytes = int(np.prod(dims.astype(np.int64))) * type_size // block
+                n_bytes = math.prod(int(d) for d in dims) * type_size // block
                 if start_offs + offset + n_bytes > size:
                     raise ModelFormatError(f"{self.path}: truncated file: tensor {name} ({qtype.name}, {n_bytes} bytes "
                                            f"at offset {start_offs + offset}) runs past its end ({size} bytes)")
+                spans.append((offset, n_bytes, name))
+            self._check_layout(spans)
             super()._build_tensors(start_offs, fields)
+
+        def _check_layout(self, spans: list[tuple[int, int, str]]) -> None:
+            """Every tensor starts at a multiple of the alignment, and no two share a byte."""
+            alignment = int(self.alignment)
+            for offset, _, name in spans:
+                if offset % alignment:
+                    raise ModelFormatError(f"{self.path}: tensor {name}: data offset {offset} is not a multiple of "
+                                           f"the file's alignment ({alignment} bytes)")
+            end, last = 0, None
+            for offset, n_bytes, name in sorted(s for s in spans if s[1]):
+                if offset < end:
+                    raise ModelFormatError(f"{self.path}: tensors {last} and {name} overlap (tensor {name} starts at "
+                                           f"data offset {offset}, inside {last}, which ends at {end})")
+                end, last = offset + n_bytes, name
 
     return Reader
 
@@ -264,6 +283,13 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path}: metadata {full} must be a positive integer, got {v!r}")
         return v
 
+    def token_id(self, key: str) -> int | None:
+        """``tokenizer.ggml.{key}`` as a token id (a non-negative integer), or None if absent."""
+        value = self.get(f"tokenizer.ggml.{key}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ModelFormatError(f"{self.path}: metadata tokenizer.ggml.{key}={value!r:.80} is not a token id")
+        return value
+
     def _hf_config(self) -> dict[str, Any]:
         a = self.arch
         for k in _REQUIRED:
@@ -282,9 +308,8 @@ class GGUFFile:
             if value is None:
                 continue
             config[hf_key] = float(value) if isinstance(value, float) else self.arch_int(gguf_key)
-        bos, eos = self.get("tokenizer.ggml.bos_token_id"), self.get("tokenizer.ggml.eos_token_id")
-        eos_ids = [e for e in (eos, self.get("tokenizer.ggml.eot_token_id"), self.get("tokenizer.ggml.eom_token_id"))
-                   if e is not None]
+        bos, eos = self.token_id("bos_token_id"), self.token_id("eos_token_id")
+        eos_ids = [e for e in (eos, self.token_id("eot_token_id"), self.token_id("eom_token_id")) if e is not None]
         eos_ids = list(dict.fromkeys(eos_ids))
         config["bos_token_id"] = bos
         config["eos_token_id"] = eos_ids if len(eos_ids) > 1 else (eos_ids[0] if eos_ids else None)
@@ -578,17 +603,63 @@ def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]
     return [(a, b) for a, b, _ in merges]
 
 
+#: What ``_array`` checks each element of a metadata array against, and how a message names it.
+_ITEM_KINDS: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float)}
+
+
+def _array(gf: GGUFFile, key: str, item: str, length: int | None = None) -> list | None:
+    """The metadata array ``key`` (None if absent), every element an ``item`` (``_ITEM_KINDS``;
+    bools are not numbers), ``length`` of them if given: ModelFormatError naming the file and key
+    otherwise."""
+    value = gf.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ModelFormatError(f"{gf.path}: metadata {key} must be an array of {item}s, got {value!r:.80}")
+    kinds = _ITEM_KINDS[item]
+    bad = next((i for i, v in enumerate(value) if isinstance(v, bool) or not isinstance(v, kinds)), None)
+    if bad is not None:
+        raise ModelFormatError(f"{gf.path}: metadata {key}[{bad}] is {value[bad]!r:.80}; the array holds {item}s")
+    if length is not None and len(value) != length:
+        raise ModelFormatError(f"{gf.path}: metadata {key} has {len(value)} entries for {length} tokens")
+    return value
+
+
+def _string(gf: GGUFFile, key: str) -> str | None:
+    """The metadata string ``key`` (None if absent); ModelFormatError if it is something else."""
+    value = gf.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ModelFormatError(f"{gf.path}: metadata {key} must be a string, got {value!r:.80}")
+    return value
+
+
+def _merges(gf: GGUFFile, merges_text: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """``tokenizer.ggml.merges`` as pairs, each of two tokens of ``vocab`` whose concatenation is
+    one too (``tokenizers`` panics on a merge whose result is missing)."""
+    merges = []
+    for i, text in enumerate(merges_text):
+        pair = tuple(text.split(" "))
+        if len(pair) != 2:
+            raise ModelFormatError(f"{gf.path}: tokenizer.ggml.merges holds {text!r}, not two tokens")
+        missing = next((t for t in (*pair, pair[0] + pair[1]) if t not in vocab), None)
+        if missing is not None:
+            raise ModelFormatError(f"{gf.path}: tokenizer.ggml.merges[{i}] = {text!r} needs the token {missing!r}, "
+                                   "which is not in tokenizer.ggml.tokens")
+        merges.append(pair)
+    return merges
+
+
 def build_tokenizer(gf: GGUFFile):
     """The ``tokenizers.Tokenizer`` the file's ``tokenizer.ggml.*`` metadata describes."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
 
-    kind = gf.get("tokenizer.ggml.model")
-    tokens: list[str] = gf.get("tokenizer.ggml.tokens") or []
+    kind = _string(gf, "tokenizer.ggml.model")
+    tokens: list[str] = _array(gf, "tokenizer.ggml.tokens", "string") or []
     if not tokens:
         raise ModelFormatError(f"{gf.path}: metadata tokenizer.ggml.tokens is missing or empty")
-    types: list[int] = gf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges_text = gf.get("tokenizer.ggml.merges")
+    types: list[int] = _array(gf, "tokenizer.ggml.token_type", "integer", len(tokens)) or [1] * len(tokens)
+    merges_text = _array(gf, "tokenizer.ggml.merges", "string")
     if kind == "gpt2":
         spelling = byte_alphabet()
         alphabet = set(spelling.values())
@@ -596,13 +667,10 @@ def build_tokenizer(gf: GGUFFile):
                  for i, t in enumerate(tokens)}
         if not merges_text:
             raise ModelFormatError(f"{gf.path}: a gpt2 (byte-level BPE) vocabulary needs tokenizer.ggml.merges")
-        merges = [tuple(m.split(" ")) for m in merges_text]
-        bad = next((m for m in merges if len(m) != 2), None)
-        if bad is not None:
-            raise ModelFormatError(f"{gf.path}: tokenizer.ggml.merges holds {' '.join(bad)!r}, not two tokens")
+        merges = _merges(gf, merges_text, vocab)
         tok = Tokenizer(BPE(vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
                             fuse_unk=False, byte_fallback=False))
-        split = PRE_TOKENIZER_SPLITS.get(gf.get("tokenizer.ggml.pre"))
+        split = PRE_TOKENIZER_SPLITS.get(_string(gf, "tokenizer.ggml.pre"))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True) if split is None else \
             pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
                                      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -611,9 +679,9 @@ def build_tokenizer(gf: GGUFFile):
     elif kind == "llama":
         vocab = {t: i for i, t in enumerate(tokens)}
         if merges_text:
-            merges = [tuple(m.split(" ")) for m in merges_text]
+            merges = _merges(gf, merges_text, vocab)
         else:
-            scores = gf.get("tokenizer.ggml.scores")
+            scores = _array(gf, "tokenizer.ggml.scores", "number", len(tokens))
             if scores is None:
                 raise ModelFormatError(f"{gf.path}: a llama (SentencePiece) vocabulary without merges needs "
                                        "tokenizer.ggml.scores")
@@ -667,7 +735,7 @@ def tokenizer_config(gf: GGUFFile) -> dict[str, Any]:
         "clean_up_tokenization_spaces": False,
         "model_max_length": gf.config.get("max_position_embeddings") or gf.config.get("n_positions"),
     }
-    template = gf.get("tokenizer.chat_template")
+    template = _string(gf, "tokenizer.chat_template")
     if template:
         config["chat_template"] = template
     return config

@@ -64,12 +64,16 @@ def _refuse(what: str, value: int, bound: int, unit: str, param: str) -> Grammar
                         "grammar_too_large")
 
 
-def check_spec(kind: str, value: Any, param: str, limits: GrammarLimits) -> None:
-    """Raise GrammarError if the constraint ``kind``/``value`` is over one of ``limits``."""
+def check_spec(kind: str, value: Any, param: str, limits: GrammarLimits, deep: bool = True) -> None:
+    """Raise GrammarError if the constraint ``kind``/``value`` is over one of ``limits``. Without
+    ``deep`` only the sizes (what the server checks itself; the scan of a grammar's shape is Python
+    work that holds the GIL, so it runs in the grammar worker processes, grammar_worker.py)."""
     if kind == "json":
         text = json.dumps(value)
         if len(text) > limits.max_bytes:
             raise _refuse("JSON schema's size", len(text), limits.max_bytes, " bytes", param)
+        if not deep:
+            return
         depth = json_depth(value)
         if depth > limits.max_depth:
             raise _refuse("JSON schema's nesting depth", depth, limits.max_depth, "", param)
@@ -77,6 +81,8 @@ def check_spec(kind: str, value: Any, param: str, limits: GrammarLimits) -> None
         size = len(value.encode("utf-8", "surrogatepass"))
         if size > limits.max_bytes:
             raise _refuse("regex's size", size, limits.max_bytes, " bytes", param)
+        if not deep:
+            return
         depth = _bracket_depth(re.sub(r"\\.", "", value), "(")
         if depth > limits.max_depth:
             raise _refuse("regex's group nesting depth", depth, limits.max_depth, "", param)
@@ -90,6 +96,8 @@ def check_spec(kind: str, value: Any, param: str, limits: GrammarLimits) -> None
         size = len(value.encode("utf-8", "surrogatepass"))
         if size > limits.max_bytes:
             raise _refuse("grammar's size", size, limits.max_bytes, " bytes", param)
+        if not deep:
+            return
         shape = grammar_shape(value)
         if shape.rules > limits.max_rules:
             raise _refuse("number of grammar rules", shape.rules, limits.max_rules, "", param)

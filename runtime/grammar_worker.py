@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .grammar_limits import GrammarError, PARSER_LIMITS
+from .grammar_limits import PARSER_LIMITS, GrammarError, GrammarLimits, check_spec
 
 _log = logging.getLogger("infeng.grammar")
 
@@ -48,7 +48,8 @@ class TokenizerSpec:
 
 
 def _serve(conn: Connection, tokenizer: TokenizerSpec) -> None:
-    """A worker's loop: (kind, value, param) in, ("ok", grammar) or ("error", message) out."""
+    """A worker's loop: (kind, value, param, limits) in; ("ok", grammar, None) or ("error", message,
+    code) out. The constraint's shape is checked against the limits first (grammar_limits.py)."""
     import llguidance
 
     from .structured import llguidance_grammar
@@ -59,18 +60,19 @@ def _serve(conn: Connection, tokenizer: TokenizerSpec) -> None:
     conn.send(("ready", ""))
     while True:
         try:
-            kind, value, param = conn.recv()
+            kind, value, param, bounds = conn.recv()
         except EOFError:
             return
         try:
+            check_spec(kind, value, param, bounds)
             grammar = llguidance_grammar(kind, value, param)
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tok, limits=limits)
-            reply = ("error", f"the {kind} constraint does not compile: {messages[0][:500]}") if is_error \
-                else ("ok", grammar)
+            reply = ("error", f"the {kind} constraint does not compile: {messages[0][:500]}", None) if is_error \
+                else ("ok", grammar, None)
         except GrammarError as e:
-            reply = ("error", str(e))
+            reply = ("error", str(e), e.code)
         except Exception as e:                 # the converters raise their own error types
-            reply = ("error", f"the {kind} constraint does not compile: {str(e)[:500]}")
+            reply = ("error", f"the {kind} constraint does not compile: {str(e)[:500]}", None)
         conn.send(reply)
 
 
@@ -138,9 +140,11 @@ class GrammarWorkers:
                 self._all.remove(worker)
         threading.Thread(target=self._add, name="infeng-grammar-respawn", daemon=True).start()
 
-    def check(self, kind: str, value: Any, param: str, budget: float) -> str:
-        """The llguidance grammar of the constraint, validated; GrammarError if it does not compile,
-        is still compiling after ``budget`` seconds (the worker is killed) or crashes the worker."""
+    def check(self, kind: str, value: Any, param: str, limits: GrammarLimits) -> str:
+        """The llguidance grammar of the constraint, within ``limits`` and validated; GrammarError if
+        it is over a limit, does not compile, is still compiling after ``limits.compile_seconds``
+        (the worker is killed) or crashes the worker."""
+        budget = limits.compile_seconds
         deadline = time.monotonic() + budget
         try:
             worker = self._idle.get(timeout=budget)
@@ -149,14 +153,14 @@ class GrammarWorkers:
                               "grammar_compilers_busy") from None
         try:
             worker.wait_ready()
-            worker.conn.send((kind, value, param))
+            worker.conn.send((kind, value, param, limits))
             if not worker.conn.poll(max(deadline - time.monotonic(), 0.0)):
                 self._replace(worker)
                 _log.warning("grammar compile abandoned at its budget", extra={"fields": {
                     "kind": kind, "param": param, "budget_s": budget}})
                 raise GrammarError(f"{param}: compiling the {kind} constraint took longer than {budget:g} s "
                                    f"(the grammar compile time limit)", param, "grammar_too_expensive")
-            status, payload = worker.conn.recv()
+            status, payload, code = worker.conn.recv()
         except (EOFError, OSError, TimeoutError) as e:
             self._replace(worker)
             exitcode = worker.process.exitcode
@@ -166,7 +170,7 @@ class GrammarWorkers:
                                f"{exitcode}); simplify it", param, "grammar_crashed") from None
         self._idle.put(worker)
         if status != "ok":
-            raise GrammarError(payload, param)
+            raise GrammarError(payload, param, code)
         return payload
 
     def close(self) -> None:

@@ -634,7 +634,7 @@ class Server:
         bound = self.grammar_limits.max_sequences
         if n * prompts > bound:
             raise APIError(400, f"a request with an output constraint may have at most {bound} sequences (n x "
-                                f"prompts), each with its own matcher; this one has {n * prompts}", param="n",
+                                f"prompts; the limit of matchers per request), not {n * prompts}", param="n",
                            code="grammar_too_large")
         try:
             release = await self.grammar_shares.acquire(CLIENT.get())

@@ -1,14 +1,17 @@
 """Constrained decoding: grammars (JSON schema, free JSON, regex, choice, Lark/GBNF) compiled with
 llguidance, one matcher per sequence, and the token masks they allow.
 
-``GrammarCompiler`` turns a request's constraint into an llguidance grammar and checks it (a bad
-schema or regex is a ``GrammarError``, answered 400); ``Constraint`` holds one matcher per choice of
-a request (``Request.grammar``). The scheduler calls ``apply_masks`` on the sampled rows before it
-samples and ``advance`` after, and ``advance`` queues the next masks on one worker thread: llguidance
-computes a mask without the GIL, so the next step's masks are filled while the engine loop is in
-the library's forward call (which releases the GIL too), and ``apply_masks`` only waits for what
-is left of that work. docs/serving.md (Structured outputs) says why llguidance; bench/grammar_mask.py
-measures it against xgrammar and outlines-core.
+``GrammarCompiler`` turns a request's constraint into an llguidance grammar and checks it (within
+the limits of grammar_limits.py, compiled first in a worker process, grammar_worker.py; a bad or
+too large one is a ``GrammarError``, answered 400); ``Constraint`` holds one matcher per choice of
+a request (``Request.grammar``). After each step ``advance`` queues, per choice, feeding its matcher
+the sampled token and filling its next mask on the mask worker threads: llguidance does both
+without the GIL, so they run while the engine loop is in the library's forward call. Before the
+next sampling the scheduler waits a little for masks not yet ready (``late_masks``: a share of the
+forward call's time); a choice whose mask is later skips that step, one whose mask is later than
+``--grammar-mask-timeout`` ends with an error, and the engine loop never waits longer for a
+grammar. docs/serving.md (Structured outputs, Limits) says why llguidance and lists the bounds;
+bench/grammar_mask.py measures it against xgrammar and outlines-core.
 
 With speculative decoding a constrained sequence drafts too: ``Constraint.check_draft`` cuts a draft
 at the first token the grammar rejects, ``prefetch_draft`` queues the masks of the verification
@@ -140,7 +143,7 @@ class GrammarCompiler:
     def grammar(self, spec: GrammarSpec) -> str:
         """The llguidance grammar of ``spec``, within the limits and checked against the tokenizer
         (in a worker process when the compiler has workers); GrammarError if bad."""
-        check_spec(spec.kind, spec.value, spec.param, self.limits)
+        check_spec(spec.kind, spec.value, spec.param, self.limits, deep=self.workers is None)
         key = spec.key()
         cached = self._checked.get(key)
         if cached is not None:
@@ -150,7 +153,7 @@ class GrammarCompiler:
             raise GrammarError(refused.args[0], spec.param, refused.code)
         try:
             if self.workers is not None:
-                grammar = self.workers.check(spec.kind, spec.value, spec.param, self.limits.compile_seconds)
+                grammar = self.workers.check(spec.kind, spec.value, spec.param, self.limits)
             else:
                 grammar = self._check_here(spec)
         except GrammarError as e:
@@ -194,13 +197,13 @@ class GrammarCompiler:
 #: each other's, nor a slow grammar's masks in front of everyone's. They run at a lower priority
 #: than the engine loop (``MASK_NICE``), so mask work never slows the forward calls of others.
 MASK_WORKERS = 4
-MASK_NICE = 5
+MASK_NICE = 10
 #: How long a step waits for masks not ready when its forward call ends: this share of the forward
 #: call's time, at least MASK_WAIT_FLOOR seconds; a sequence whose mask is later is skipped for the
 #: step (its last position runs again next step). When every sampled row waits for a mask (nobody
 #: else to serve), up to MASK_IDLE_WAIT.
-MASK_WAIT_SHARE = 0.5
-MASK_WAIT_FLOOR = 0.002
+MASK_WAIT_SHARE = 0.25
+MASK_WAIT_FLOOR = 0.0005
 MASK_IDLE_WAIT = 0.05
 _workers: ThreadPoolExecutor | None = None
 _workers_lock = threading.Lock()
@@ -226,9 +229,9 @@ class Constraint:
     """The matchers of one request's choices and their next-token masks.
 
     ``disallowed[i]`` is choice i's mask (True: the token may not come next), filled on a worker
-    thread; ``pending[i]`` is that fill's future and ``queued[i]`` when it was queued. The engine
-    loop thread is the only one that consumes tokens (``accept``), and only once choice i's fill is
-    done: the worker threads and it never use a matcher at once."""
+    thread; ``pending[i]`` is the future of choice i's job (consume, then fill) and ``queued[i]``
+    when it was queued. At most one job per choice is queued at a time, and the engine loop thread
+    reads a matcher only once its job is done: no two threads use a matcher at once."""
 
     def __init__(self, matchers: list, vocab_size: int, eos: list[int],
                  mask_seconds: float = GrammarLimits.mask_seconds):
@@ -293,9 +296,17 @@ class Constraint:
             future.result()
         return self.disallowed[index]
 
-    def accept(self, index: int, token: int) -> bool:
-        """Advance choice ``index`` by ``token`` (the caller has taken its mask)."""
-        return self.matchers[index].consume_token(token)
+    def advance(self, index: int, tokens: list[int]) -> None:
+        """Queue feeding choice ``index``'s matcher ``tokens`` (in order; the caller has taken its
+        mask) and filling its next mask: both on a worker thread, as consuming a token costs what a
+        mask does for an ambiguous grammar (a refused token leaves the matcher in error: ``failure``)."""
+        def job() -> None:
+            m = self.matchers[index]
+            for token in tokens:
+                if not m.consume_token(token):
+                    break
+            self._mask_of(index, self.disallowed[index])
+        self._queue(index, job)
 
     def check_draft(self, index: int, draft: list[int]) -> int:
         """How many of ``draft``'s tokens, from the first, choice ``index``'s grammar allows (up to
@@ -383,15 +394,18 @@ def apply_masks(logits: np.ndarray, rows: list[tuple[int, Any]]) -> None:
 
 
 def advance(outs: list) -> None:
-    """Feed each constrained output's token to its matcher (a verification step gives a choice
-    several, in order) and queue the next masks (one job per choice; they run while the next
+    """Queue feeding each constrained output's token to its matcher (a verification step gives a
+    choice several, in order) and its next mask (one job per choice; they run while the next
     forward call does)."""
-    advanced: dict[tuple[int, int], tuple[Constraint, int]] = {}
+    advanced: dict[tuple[int, int], tuple[Constraint, int, list[int]]] = {}
     for o in outs:
         c = o.request.grammar
         if c is None or o.token is None or o.finish_reason is not None:
             continue
-        c.accept(o.index, o.token)
-        advanced[id(c), o.index] = (c, o.index)
-    for c, index in advanced.values():
-        c.prefetch([index])
+        entry = advanced.get((id(c), o.index))
+        if entry is None:
+            advanced[id(c), o.index] = (c, o.index, [o.token])
+        else:
+            entry[2].append(o.token)
+    for c, index, tokens in advanced.values():
+        c.advance(index, tokens)

@@ -469,6 +469,14 @@ TRUST_REQUEST_CHAT_TEMPLATE = typer.Option(False, "--trust-request-chat-template
 SHUTDOWN_TIMEOUT = typer.Option(30.0, "--shutdown-timeout",
                                 help="seconds running requests get to finish on SIGTERM/SIGINT")
 LOG_FORMAT = typer.Option("text", "--log-format", help="text (key=value) or json")
+GRAMMAR_TIMEOUT = typer.Option(5.0, "--grammar-timeout",
+                               help="seconds one grammar may take to compile (its compiler process is killed "
+                                    "past it; 400)")
+GRAMMAR_MASK_TIMEOUT = typer.Option(5.0, "--grammar-mask-timeout",
+                                    help="seconds one next-token mask of a grammar may take (the sequence ends "
+                                         "with an error past it)")
+MAX_GRAMMAR_BYTES = typer.Option("64KiB", "--max-grammar-bytes",
+                                 help="largest grammar, regex, JSON schema or choice list (400 beyond it)")
 LOG_LEVEL = typer.Option("info", "--log-level")
 ALWAYS_INCLUDE_USAGE = typer.Option(False, "--always-include-usage",
                                     help="end every stream with a usage chunk, whether or not the request asks "
@@ -557,6 +565,9 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                   log_format: str = LOG_FORMAT,
                   log_level: str = LOG_LEVEL,
                   always_include_usage: bool = ALWAYS_INCLUDE_USAGE,
+                  grammar_timeout: float = GRAMMAR_TIMEOUT,
+                  grammar_mask_timeout: float = GRAMMAR_MASK_TIMEOUT,
+                  max_grammar_bytes: str = MAX_GRAMMAR_BYTES,
                   speculative: Optional[str] = SPECULATIVE,
                   target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
                   max_adapters: int = typer.Option(0, "--max-adapters", min=0,
@@ -583,7 +594,9 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                            log_format=log_format, api_key=api_key, adapter_roots=list(adapter_root),
                            trust_request_chat_template=trust_request_chat_template,
                            max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
-                           shutdown_timeout=shutdown_timeout, always_include_usage=always_include_usage)
+                           shutdown_timeout=shutdown_timeout, always_include_usage=always_include_usage,
+                           grammar_timeout=grammar_timeout, grammar_mask_timeout=grammar_mask_timeout,
+                           max_grammar_bytes=parse_size(max_grammar_bytes, "--max-grammar-bytes"))
     from infeng_runtime.speculative import parse_speculative
 
     options.speculative = parse_speculative(speculative)

@@ -212,7 +212,7 @@ class EngineLoop:
         else:
             t2 = time.perf_counter()
             with self.lock:
-                outs = self.scheduler.update(plan, logits)
+                outs = self.scheduler.update(plan, logits, t2 - t1)
             if self.speculator is not None and len(plan.logits_rows) == len(plan.tokens):
                 self.speculator.observe(len(plan.tokens), float(plan.positions.mean()), t2 - t1)
         generated = self.scheduler.stats.generated_tokens

@@ -2,7 +2,8 @@
 
 Every call of ``Scheduler.schedule`` plans one forward step under a token budget:
 
-1. running sequences, in priority order (lower ``priority`` first, FIFO within one): one token each
+1. running sequences, in priority order (lower ``priority`` first; within one, a client's sequences
+   after those it already had in flight, then FIFO): one token each
    for those decoding, a prefill chunk for those still prefilling (a chunk never takes the room
    that decodes later in the order need, so decodes are never starved by a long prompt);
 2. then waiting sequences, in the same order, while the budget, a sequence slot and KV blocks
@@ -38,10 +39,14 @@ from infeng_common.errors import InfengError
 from .adapters import AdapterPool
 from .kv_cache import BlockAllocator, block_hashes
 from .sampling import SamplingParams, distribution, sample
-from .structured import advance, apply_masks
+from .structured import advance, apply_masks, late_masks, mask_wait
 from .speculative import Speculator, accept_greedy, accept_sampled
 
 NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this sequence"
+#: How a sequence's error starts when its grammar ended it (the server answers such a failure 400).
+CONSTRAINT_FAILED = "the output constraint"
+MASK_OVERDUE = (CONSTRAINT_FAILED + "'s next-token mask was not ready within {:g} s (the grammar mask time "
+                "limit, --grammar-mask-timeout); the sequence was ended")
 #: The logprob reported for a token of probability 0 (OpenAI's value; -inf is not JSON).
 LOGPROB_FLOOR = -9999.0
 
@@ -84,6 +89,7 @@ class Request:
     sink: Callable[[list["SeqOutput"]], None] | None = None   # called on the engine thread
     context: object = None                  # whatever the consumer wants back with each output
     grammar: object = None                  # structured.Constraint: one matcher per choice, or None
+    client: str | None = None               # who asked (fair_share.py): ranks its sequences after its others
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -110,7 +116,7 @@ class Sequence:
                  "generated", "order", "hashes", "namespace", "reported_cached", "cached_tokens", "greedy",
                  "adapter_slot", "spec", "draft")
 
-    def __init__(self, seq_id: int, request: Request, index: int, order: tuple[int, int], namespace: str):
+    def __init__(self, seq_id: int, request: Request, index: int, order: tuple[int, int, int], namespace: str):
         self.seq_id, self.request, self.index, self.order = seq_id, request, index, order
         self.tokens = list(request.prompt_ids)
         self.prompt_len = len(self.tokens)
@@ -179,13 +185,15 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.max_context = min(max_context or kv.max_context, kv.max_context)
         self.adapters = adapters
-        self.waiting: list[tuple[tuple[int, int], int, Sequence]] = []   # heap of (order, seq_id, seq)
+        self.waiting: list[tuple[tuple[int, int, int], int, Sequence]] = []   # heap of (order, seq_id, seq)
         self.num_waiting = 0                  # live entries of the heap
         self.running: list[Sequence] = []     # sorted by order
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = SchedulerStats()
         self.failed: list[SeqOutput] = []     # finished while scheduling (adapter failed to load)
         self._special = 0                     # requests in flight that sample or follow a grammar
+        self._client_seqs: dict[str, int] = {}   # unfinished sequences per client
+        self._last_forward = 0.0              # the last step's forward call, seconds
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.speculator: Speculator | None = None   # set by the loop: decodes may draft and verify
@@ -225,8 +233,14 @@ class Scheduler:
             self.adapters.hold(request.adapter, request.n)
             namespace = self.adapters.namespace(request.adapter)
         arrival = next(self._arrivals)
-        seqs = [Sequence(next(self._ids), request, i, (request.priority, arrival), namespace)
+        # within a priority, a client's sequences rank after those it already has in flight (fair
+        # shares: a bystander is served before a greedy client's backlog), then first come first served
+        rank = self._client_seqs.get(request.client, 0) if request.client is not None else 0
+        seqs = [Sequence(next(self._ids), request, i, (request.priority, rank + i if request.client else 0, arrival),
+                         namespace)
                 for i in range(request.n)]
+        if request.client is not None:
+            self._client_seqs[request.client] = rank + request.n
         # a grammar-constrained request drafts too: drafts are checked against its grammar (_draft)
         if self.speculator is not None and request.params.speculative is not False:
             for seq in seqs:
@@ -317,10 +331,13 @@ class Scheduler:
         base = sum(n for _, n in chosen)
         drafted = False
         drafts = self.speculator.propose(seqs, caps, base, len(seqs))
+        # a constrained sequence drafts if its mask is ready by then (as long as a late mask is waited for)
+        deadline = time.monotonic() + mask_wait(self._last_forward)
         for i, seq, draft in zip(where, seqs, drafts):
             grammar = seq.request.grammar
             if grammar is not None and draft:      # cut at the first token the grammar rejects
-                draft = draft[:grammar.check_draft(seq.index, draft)]
+                ready = grammar.ready(seq.index, deadline)
+                draft = draft[:grammar.check_draft(seq.index, draft)] if ready else NO_DRAFT
             k = min(len(draft), budget)
             while k and kv.blocks_needed(seq.seq_id, seq.num_computed + 1 + k) > kv.num_free:
                 k -= 1
@@ -432,10 +449,14 @@ class Scheduler:
                         len(tokens) - prefill, verify)
 
     # -- results ----------------------------------------------------------------------------
-    def update(self, plan: StepPlan, logits: np.ndarray) -> list[SeqOutput]:
-        """Advance the planned sequences by the step's results; sample where logits were asked for."""
+    def update(self, plan: StepPlan, logits: np.ndarray, forward_seconds: float = 0.0) -> list[SeqOutput]:
+        """Advance the planned sequences by the step's results; sample where logits were asked for.
+        ``forward_seconds`` (the step's forward call) bounds how long late grammar masks are waited for."""
         kv, bs = self.kv, self.kv.block_size
         self.stats.steps += 1
+        self._last_forward = forward_seconds
+        ended: list[SeqOutput] = []
+        late = self._late(plan, forward_seconds, ended) if self._special else ()
         advanced = zip(plan.seqs, plan.counts)
         verify = plan.verify
         if verify:                             # their rows come after those of plan.sampled
@@ -444,6 +465,8 @@ class Scheduler:
         for seq, n in advanced:
             if seq.status != RUNNING:
                 continue
+            if late and seq in late:           # its last position runs again next step
+                n -= 1
             if seq.num_computed < seq.prompt_len:
                 self.stats.computed_prompt_tokens += min(n, seq.prompt_len - seq.num_computed)
             seq.num_computed += n
@@ -452,9 +475,10 @@ class Scheduler:
                 if n_full > kv.published_of.get(seq.seq_id, 0):
                     block_hashes(seq.tokens[:n_full * bs], bs, seq.namespace, seq.hashes)
                     kv.register(seq.seq_id, seq.hashes, n_full)
-        outs: list[SeqOutput] = []
+        outs: list[SeqOutput] = ended
         sampled = plan.sampled
-        constrained = [(r, s) for r, s in enumerate(sampled) if s.request.grammar is not None] if self._special else ()
+        constrained = [(r, s) for r, s in enumerate(sampled) if s.request.grammar is not None
+                       and s.status == RUNNING and s not in late] if self._special else ()
         if constrained:                        # structured outputs: disallowed tokens masked (structured.py)
             apply_masks(logits, constrained)
         greedy_rows = [r for r, s in enumerate(sampled) if s.greedy] if self._special else ()
@@ -466,6 +490,9 @@ class Scheduler:
             greedy_finite = _finite_at(logits, greedy_rows, greedy_tokens)
         g = 0
         for r, seq in enumerate(sampled):
+            if late and seq in late:           # not sampled this step
+                g += seq.greedy
+                continue
             if seq.greedy:
                 token = greedy_tokens[g]
                 g += 1
@@ -481,13 +508,37 @@ class Scheduler:
                 continue
             outs.append(self._emit(seq, token, logits, r))
         if verify:
-            outs.extend(self._verify(plan, verify_logits))
+            outs.extend(self._verify(plan, verify_logits, late))
             constrained = constrained or any(seq.request.grammar is not None for seq, _ in verify)
         if constrained:                        # matchers take the tokens; the next masks fill during forward
             advance(outs)
         return outs
 
-    def _verify(self, plan: StepPlan, logits: np.ndarray) -> list[SeqOutput]:
+    def _late(self, plan: StepPlan, forward_seconds: float, ended: list[SeqOutput]) -> set[Sequence]:
+        """The constrained sequences of ``plan`` whose masks are not ready after a short wait (they
+        skip this step); those whose mask is past its time limit, or whose matcher failed (a parser
+        limit), are finished with an error into ``ended``."""
+        seqs = [s for s in plan.sampled if s.request.grammar is not None and s.status == RUNNING]
+        seqs += [s for s, _ in plan.verify if s.request.grammar is not None and s.status == RUNNING]
+        if not seqs:
+            return set()
+        positions = late_masks(seqs, forward_seconds, alone=len(seqs) == len(plan.seqs))
+        now = time.monotonic()
+        late = set()
+        for i, seq in enumerate(seqs):
+            grammar = seq.request.grammar
+            if i in positions:
+                if grammar.overdue(seq.index, now):
+                    ended.append(self._finish(seq, "error", MASK_OVERDUE.format(grammar.mask_seconds)))
+                else:
+                    late.add(seq)
+                continue
+            failure = grammar.failure(seq.index)
+            if failure is not None:
+                ended.append(self._finish(seq, "error", f"{CONSTRAINT_FAILED} stopped at a parser limit: {failure}"))
+        return late
+
+    def _verify(self, plan: StepPlan, logits: np.ndarray, late: set[Sequence] | tuple = ()) -> list[SeqOutput]:
         """The speculating sequences of ``plan``: accept drafts (greedy: while they are the
         target's argmax; sampled: the rejection rule), emit them and one token of the target's,
         count only the accepted positions as computed, publish the blocks they fill."""
@@ -500,6 +551,9 @@ class Scheduler:
             rows = logits[r:r + k + 1]
             r += k + 1
             if seq.status != RUNNING:
+                continue
+            if late and seq in late:               # its masks are late: verified again from its last token
+                seq.request.grammar.drop_draft(seq.index)
                 continue
             if seq.request.grammar is not None:    # row j: the grammar's state after j drafted tokens
                 seq.request.grammar.mask_draft_rows(seq.index, rows)
@@ -581,6 +635,12 @@ class Scheduler:
         seq.status = FINISHED
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         request = seq.request
+        if request.client is not None:
+            left = self._client_seqs[request.client] - 1
+            if left:
+                self._client_seqs[request.client] = left
+            else:
+                del self._client_seqs[request.client]
         seqs = self.requests.get(request.request_id)
         if seqs is not None and all(s.status == FINISHED for s in seqs):
             del self.requests[request.request_id]

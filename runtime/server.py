@@ -51,6 +51,7 @@ from .api_errors import APIError
 from .chat import (SPECIAL_TOKEN_KEYS, TEMPLATE_GLOBALS, ChatTemplateError, message_text, render_chat,
                    template_source)
 from .detokenize import ChoiceText, Delta, TokenTexts
+from .exit_watchdog import exit_after
 from .http_guard import AccessGuard, AccessPolicy, AdapterRoots, is_loopback_address
 from .json_body import JSONRejected, loads, parse_json
 from .loop import EngineLoop, EngineStopped
@@ -58,8 +59,11 @@ from .metrics import ServerMetrics
 from .request_log import (LOG_FORMATS, LOG_LEVELS, LOGGER, InFlight, RequestLog, RequestRecord, configure_logging,
                           record_of)
 from .sampling import SEED_BOUND, SamplingParams
-from .scheduler import QueueFull, Request, RequestError, SeqOutput
+from .scheduler import CONSTRAINT_FAILED, QueueFull, Request, RequestError, SeqOutput
 from .speculative import SpeculativeConfig
+from .fair_share import CLIENT, ClientShares
+from .grammar_limits import GrammarLimits
+from .grammar_worker import GrammarBusy, GrammarWorkers, TokenizerSpec
 from .structured import GrammarCompiler, GrammarError, GrammarSpec, tool_call_grammar
 from .tools import (ToolCall, ToolStream, arguments_object, hermes_messages, parse_forced, parse_tool_calls,
                     template_knows_tools)
@@ -72,6 +76,12 @@ DISCONNECT_POLL_SECONDS = 0.5
 #: thread; past ``TEXT_QUEUE_BOUND`` requests waiting for a thread, a new one gets 503.
 TEXT_WORK_SECONDS = 5.0
 TEXT_WORKERS = 2
+#: Grammar compiler processes (grammar_worker.py); each client runs at most one text job and one
+#: grammar compile at a time (fair_share.py), so one client never holds every thread or compiler.
+GRAMMAR_WORKERS = 2
+#: After SIGTERM, the process exits at most this long after --shutdown-timeout, whatever a thread
+#: is doing (the requests left were ended at the timeout; this is for writing their last events).
+SHUTDOWN_GRACE_SECONDS = 10.0
 TEXT_QUEUE_BOUND = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -325,7 +335,11 @@ class Server:
         self.created = int(time.time())
         self.metrics = ServerMetrics(loop, model_name)
         self.token_texts = TokenTexts(self.tokenizer)
-        self.grammars = GrammarCompiler(self.tokenizer, loop.engine.vocab_size)
+        self.grammar_limits = self.options.grammar_limits()
+        self.grammars = GrammarCompiler(self.tokenizer, loop.engine.vocab_size, self.grammar_limits)
+        self.text_shares = ClientShares()
+        self.grammar_shares = ClientShares()
+        self.ending: asyncio.Event | None = None        # set when the shutdown ends what is left
         self.adapter_roots = AdapterRoots(self.options.adapter_roots)
         longest_token = max((len(t) for t in self.tokenizer.hf.get_vocab()), default=1)
         self.max_prompt_chars = max(CHARS_PER_TOKEN, longest_token) * loop.scheduler.max_context
@@ -346,6 +360,10 @@ class Server:
             self.event_loop = asyncio.get_running_loop()
             self.sink = _AsyncSink(self.event_loop)
             self.text_pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="infeng-text")
+            self.grammar_pool = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="infeng-grammar-wait")
+            self.ending = asyncio.Event()
+            self.grammars.workers = GrammarWorkers(TokenizerSpec(self.tokenizer.hf.to_str(), self.engine.vocab_size,
+                                                                 tuple(self.tokenizer.eos_token_ids)), GRAMMAR_WORKERS)
             self.text_waiting = 0                   # requests whose text work waits for a thread
             self.loop.start()
             LOGGER.info("serving", extra={"fields": self.describe()})
@@ -356,6 +374,8 @@ class Server:
                 self.sink._drain()
                 self.sink.close()
                 self.text_pool.shutdown(wait=False, cancel_futures=True)
+                self.grammar_pool.shutdown(wait=False, cancel_futures=True)
+                self.grammars.workers.close()
 
         app = FastAPI(title="infeng", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         metrics = self.metrics
@@ -507,6 +527,7 @@ class Server:
             await asyncio.sleep(0.05)
         with self.loop.lock:
             left = list(self.loop.scheduler.requests)
+        self.ending.set()                         # requests still preparing their prompt: 503 now
         if left:
             LOGGER.warning("ending requests at the shutdown timeout", extra={"fields": {"requests": len(left)}})
             for rid in left:
@@ -608,17 +629,42 @@ class Server:
         return specs[0] if specs else None
 
     async def _constraints(self, spec: GrammarSpec | None, n: int, prompts: int) -> list | None:
-        """One ``Constraint`` (n matchers) per prompt, built on the text threads; 400 for a bad one."""
+        """One ``Constraint`` (n matchers) per prompt: the grammar within its limits, compiled first
+        in a worker process (one compile per client at a time), then the matchers built on the text
+        threads; 400 naming the limit for a grammar over one or that does not compile in time."""
         if spec is None:
             return None
+        bound = self.grammar_limits.max_sequences
+        if n * prompts > bound:
+            raise APIError(400, f"a request with an output constraint may have at most {bound} sequences (n x "
+                                f"prompts; the limit of matchers per request), not {n * prompts}", param="n",
+                           code="grammar_too_large")
         try:
+            release = await self.grammar_shares.acquire(CLIENT.get())
+            compiled = asyncio.wrap_future(self.grammar_pool.submit(self.grammars.grammar, spec))
+            compiled.add_done_callback(lambda _: release())
+            await self._until_ending(compiled)
             return [await self._text_work(self.grammars.constraint, spec, n) for _ in range(prompts)]
+        except GrammarBusy as e:
+            raise _unavailable(str(e), "grammar_compilers_busy") from None
         except GrammarError as e:
-            raise APIError(400, str(e), param=e.param) from None
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
+
+    async def _until_ending(self, work: asyncio.Future) -> Any:
+        """``work``'s result, or 503 if the shutdown ends what is left first (the work is left behind)."""
+        ending = asyncio.ensure_future(self.ending.wait())
+        try:
+            await asyncio.wait({work, ending}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ending.cancel()
+        if not work.done() or work.cancelled():
+            raise _unavailable(f"{SHUTTING_DOWN}; the request was not started", "shutting_down")
+        return work.result()
 
     async def _text_work(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the text thread pool, within ``TEXT_WORK_SECONDS`` from when it starts
-        running (time spent waiting behind other requests' work is not held against it)."""
+        running (time spent waiting behind other requests' work is not held against it); one job
+        per client at a time (a job past its budget holds its client's turn until its thread is done)."""
         if self.text_waiting >= TEXT_QUEUE_BOUND:
             raise _unavailable("the server is busy preparing other prompts; retry shortly", "text_queue_full")
         event_loop = asyncio.get_running_loop()
@@ -628,20 +674,29 @@ class Server:
             event_loop.call_soon_threadsafe(began.set)
             return fn(*args)
 
-        future = self.text_pool.submit(run)
-        done = asyncio.wrap_future(future)
-        started = asyncio.ensure_future(began.wait())
         self.text_waiting += 1
         try:
-            await asyncio.wait({started, done}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:              # the client left while its work waited
-            future.cancel()
-            raise
+            release = await self._until_ending(asyncio.ensure_future(self.text_shares.acquire(CLIENT.get())))
+            future = self.text_pool.submit(run)
+            done = asyncio.wrap_future(future)
+            done.add_done_callback(lambda _: release())
+            started = asyncio.ensure_future(began.wait())
+            ending = asyncio.ensure_future(self.ending.wait())
+            try:
+                await asyncio.wait({started, done, ending}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:          # the client left while its work waited
+                future.cancel()
+                raise
+            finally:
+                started.cancel()
+                ending.cancel()
+            if not began.is_set() and not done.done():
+                future.cancel()
+                raise _unavailable(f"{SHUTTING_DOWN}; the request was not started", "shutting_down")
         finally:
             self.text_waiting -= 1
-            started.cancel()
         try:
-            return await asyncio.wait_for(done, TEXT_WORK_SECONDS)
+            return await asyncio.wait_for(self._until_ending(done), TEXT_WORK_SECONDS)
         except asyncio.TimeoutError:
             raise APIError(400, f"preparing the prompt (chat template, tokenizer) took longer than "
                                 f"{TEXT_WORK_SECONDS:g} s; the request was dropped",
@@ -655,7 +710,8 @@ class Server:
         for p_index, (ids, p) in enumerate(zip(prompts, params)):
             rid = f"{prefix}-{p_index}"
             req = Request(rid, ids, p, n=n, adapter=adapter, priority=priority, logprobs=logprobs, sink=self.sink,
-                          context=pending.queue, grammar=grammars[p_index] if grammars else None)
+                          context=pending.queue, grammar=grammars[p_index] if grammars else None,
+                          client=CLIENT.get())
             try:
                 self.loop.scheduler.check(req)
             except RequestError as e:
@@ -766,6 +822,8 @@ class Server:
         """The error a choice that ended this way gives its client: 500 when its sequence failed
         alone, 503 when the engine loop died or the server ended it at shutdown."""
         if finish_reason == "error":
+            if error and error.startswith(CONSTRAINT_FAILED):     # the request's grammar, not the server
+                return APIError(400, error, param="response_format", code="grammar_too_expensive")
             if self.loop.error is not None:
                 return _unavailable(error or f"the engine loop failed: {self.loop.error}", "engine_stopped")
             return APIError(500, f"generation failed: {error}", "server_error", code="engine_error")
@@ -1214,6 +1272,7 @@ class _CountRequests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
+        CLIENT.set((scope.get("client") or ("",))[0])        # fair shares are per peer address
         status = [500]
 
         async def send_status(message):
@@ -1290,6 +1349,13 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     speculative: SpeculativeConfig | None = None   # drafting for every request that does not say false
     always_include_usage: bool = False             # vLLM's --enable-force-include-usage
+    grammar_timeout: float = GrammarLimits.compile_seconds
+    grammar_mask_timeout: float = GrammarLimits.mask_seconds
+    max_grammar_bytes: int = GrammarLimits.max_bytes
+
+    def grammar_limits(self) -> GrammarLimits:
+        return GrammarLimits(max_bytes=self.max_grammar_bytes, compile_seconds=self.grammar_timeout,
+                             mask_seconds=self.grammar_mask_timeout)
 
     def check(self) -> None:
         """Raise InfengError (one line, naming the flag) for a value out of range."""
@@ -1298,7 +1364,10 @@ class ServeOptions:
                   ("--max-queue", self.max_waiting, 1, None),
                   ("--max-batched-tokens", self.max_batched_tokens, 1, None),
                   ("--max-request-bytes", self.max_request_bytes, 1024, None),
-                  ("--shutdown-timeout", self.shutdown_timeout, 0, None)]
+                  ("--shutdown-timeout", self.shutdown_timeout, 0, None),
+                  ("--grammar-timeout", self.grammar_timeout, 0.1, 600),
+                  ("--grammar-mask-timeout", self.grammar_mask_timeout, 0.1, 600),
+                  ("--max-grammar-bytes", self.max_grammar_bytes, 16, 2 ** 26)]
         for flag, value, low, high in ranges:
             if value is None:
                 continue
@@ -1387,5 +1456,7 @@ class _UvicornServer(uvicorn.Server):
             self.should_exit = True
             return
         self.signalled = True
-        event_loop.call_soon_threadsafe(
-            lambda: event_loop.create_task(self.api.shutdown(self.api.options.shutdown_timeout)))
+        timeout = self.api.options.shutdown_timeout
+        exit_after(timeout + SHUTDOWN_GRACE_SECONDS, lambda: self.api.exit_code)
+        event_loop.call_soon_threadsafe(lambda: event_loop.create_task(self.api.shutdown(timeout)))
+

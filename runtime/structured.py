@@ -1,14 +1,17 @@
 """Constrained decoding: grammars (JSON schema, free JSON, regex, choice, Lark/GBNF) compiled with
 llguidance, one matcher per sequence, and the token masks they allow.
 
-``GrammarCompiler`` turns a request's constraint into an llguidance grammar and checks it (a bad
-schema or regex is a ``GrammarError``, answered 400); ``Constraint`` holds one matcher per choice of
-a request (``Request.grammar``). The scheduler calls ``apply_masks`` on the sampled rows before it
-samples and ``advance`` after, and ``advance`` queues the next masks on one worker thread: llguidance
-computes a mask without the GIL, so the next step's masks are filled while the engine loop is in
-the library's forward call (which releases the GIL too), and ``apply_masks`` only waits for what
-is left of that work. docs/serving.md (Structured outputs) says why llguidance; bench/grammar_mask.py
-measures it against xgrammar and outlines-core.
+``GrammarCompiler`` turns a request's constraint into an llguidance grammar and checks it (within
+the limits of grammar_limits.py, compiled first in a worker process, grammar_worker.py; a bad or
+too large one is a ``GrammarError``, answered 400); ``Constraint`` holds one matcher per choice of
+a request (``Request.grammar``). After each step ``advance`` queues, per choice, feeding its matcher
+the sampled token and filling its next mask on the mask worker threads: llguidance does both
+without the GIL, so they run while the engine loop is in the library's forward call. Before the
+next sampling the scheduler waits a little for masks not yet ready (``late_masks``: a share of the
+forward call's time); a choice whose mask is later skips that step, one whose mask is later than
+``--grammar-mask-timeout`` ends with an error, and the engine loop never waits longer for a
+grammar. docs/serving.md (Structured outputs, Limits) says why llguidance and lists the bounds;
+bench/grammar_mask.py measures it against xgrammar and outlines-core.
 
 With speculative decoding a constrained sequence drafts too: ``Constraint.check_draft`` cuts a draft
 at the first token the grammar rejects, ``prefetch_draft`` queues the masks of the verification
@@ -18,16 +21,19 @@ thread while the forward call runs), and ``mask_draft_rows`` applies them (docs/
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from infeng_common.errors import InfengError
-
+from .grammar_limits import GrammarError, GrammarLimits, check_spec, parser_limits
+from .grammar_worker import GrammarWorkers
 from .tokenizer import Tokenizer
 
 #: What a disallowed token's logit becomes: finite, so the finiteness checks still see NaN/Inf in
@@ -37,14 +43,6 @@ MASKED_LOGIT = float(np.finfo(np.float32).min)
 #: whitespace can pad a document with newlines until max_tokens).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-class GrammarError(InfengError):
-    """A constraint that does not compile (bad JSON schema, regex or grammar)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -80,17 +78,56 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None) -> GrammarS
     return GrammarSpec("json", {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "tool_choice")
 
 
+def llguidance_grammar(kind: str, value: Any, param: str) -> str:
+    """The llguidance grammar of one constraint (not yet checked against a tokenizer); GrammarError
+    for a value of the wrong shape. Runs in the grammar worker processes (grammar_worker.py)."""
+    import llguidance
+
+    if kind == "json":
+        if not isinstance(value, (dict, bool)):
+            raise GrammarError("a JSON schema must be a JSON object", param)
+        return llguidance.LLMatcher.grammar_from_json_schema(value if value is not True else {}, defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        if not isinstance(value, str):
+            raise GrammarError("a regex must be a string", param)
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise GrammarError("choice must be a non-empty list of strings", param)
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in value))
+    if kind == "grammar":
+        if not isinstance(value, str) or not value.strip():
+            raise GrammarError("a grammar must be a non-empty string (Lark, or GBNF/EBNF with ::=)", param)
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        # GBNF (llama.cpp) / EBNF (xgrammar's dialect, with ::=) becomes Lark; Lark stays
+        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(value))
+    raise GrammarError(f"unknown constraint {kind!r}", param)
+
+
+def _remember(cache: dict, key: str, value: Any) -> None:
+    if len(cache) > 256:
+        cache.clear()
+    cache[key] = value
+
+
 class GrammarCompiler:
     """Grammars for one tokenizer and vocabulary (the logits' width, which may exceed the
     tokenizer's). The llguidance tokenizer is built on first use (about 0.3 s for 49k tokens);
     grammars are checked once and cached by their text."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, limits: GrammarLimits | None = None,
+                 workers: GrammarWorkers | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.limits = limits or GrammarLimits()
+        self.workers = workers
         self._lock = threading.Lock()
         self._ll_tokenizer = None
         self._checked: dict[str, str] = {}
+        self._refused: dict[str, GrammarError] = {}
 
     @property
     def ll_tokenizer(self):
@@ -104,52 +141,41 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
     def grammar(self, spec: GrammarSpec) -> str:
-        """The llguidance grammar of ``spec``, checked against the tokenizer; GrammarError if bad."""
-        import llguidance
-
+        """The llguidance grammar of ``spec``, within the limits and checked against the tokenizer
+        (in a worker process when the compiler has workers); GrammarError if bad."""
+        check_spec(spec.kind, spec.value, spec.param, self.limits, deep=self.workers is None)
         key = spec.key()
         cached = self._checked.get(key)
         if cached is not None:
             return cached
+        refused = self._refused.get(key)
+        if refused is not None:                    # the same bad grammar again: no second compile
+            raise GrammarError(refused.args[0], spec.param, refused.code)
         try:
-            if spec.kind == "json":
-                schema = spec.value
-                if not isinstance(schema, (dict, bool)):
-                    raise GrammarError("a JSON schema must be a JSON object", spec.param)
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema if schema is not True else {},
-                                                                        defaults=JSON_OPTIONS)
-            elif spec.kind == "json_object":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-            elif spec.kind == "regex":
-                if not isinstance(spec.value, str):
-                    raise GrammarError("a regex must be a string", spec.param)
-                grammar = llguidance.LLMatcher.grammar_from_regex(spec.value)
-            elif spec.kind == "choice":
-                choices = spec.value
-                if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-                    raise GrammarError("choice must be a non-empty list of strings", spec.param)
-                grammar = llguidance.LLMatcher.grammar_from_lark(
-                    "start: " + " | ".join(_lark_string(c) for c in choices))
-            elif spec.kind == "grammar":
-                if not isinstance(spec.value, str) or not spec.value.strip():
-                    raise GrammarError("a grammar must be a non-empty string (Lark, or GBNF/EBNF with ::=)",
-                                       spec.param)
-                from llguidance.gbnf_to_lark import any_to_lark
-
-                # GBNF (llama.cpp) / EBNF (xgrammar's dialect, with ::=) becomes Lark; Lark stays
-                grammar = llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.value))
+            if self.workers is not None:
+                grammar = self.workers.check(spec.kind, spec.value, spec.param, self.limits)
             else:
-                raise GrammarError(f"unknown constraint {spec.kind!r}", spec.param)
+                grammar = self._check_here(spec)
+        except GrammarError as e:
+            if e.code != "grammar_compilers_busy":
+                _remember(self._refused, key, e)
+            raise
+        _remember(self._checked, key, grammar)
+        return grammar
+
+    def _check_here(self, spec: GrammarSpec) -> str:
+        import llguidance
+
+        try:
+            grammar = llguidance_grammar(spec.kind, spec.value, spec.param)
         except GrammarError:
             raise
         except Exception as e:                     # the converters raise their own error types
-            raise GrammarError(f"the {spec.kind} constraint does not compile: {e}", spec.param) from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+            raise GrammarError(f"the {spec.kind} constraint does not compile: {str(e)[:500]}", spec.param) from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer,
+                                                                                 limits=parser_limits())
         if is_error:
             raise GrammarError(f"the {spec.kind} constraint does not compile: {messages[0][:500]}", spec.param)
-        if len(self._checked) > 256:
-            self._checked.clear()
-        self._checked[key] = grammar
         return grammar
 
     def constraint(self, spec: GrammarSpec, n: int) -> Constraint:
@@ -158,52 +184,75 @@ class GrammarCompiler:
         import llguidance
 
         grammar = self.grammar(spec)
-        first = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        first = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=parser_limits())
         if first.is_error():
             raise GrammarError(f"the {spec.kind} constraint does not compile: {first.get_error()[:500]}", spec.param)
         matchers = [first] + [first.deep_copy() for _ in range(n - 1)]
-        c = Constraint(matchers, self.vocab_size, list(self.tokenizer.eos_token_ids))
+        c = Constraint(matchers, self.vocab_size, list(self.tokenizer.eos_token_ids), self.limits.mask_seconds)
         c.prefetch(range(n))
         return c
 
 
-_worker: ThreadPoolExecutor | None = None
-_worker_lock = threading.Lock()
+#: Threads computing masks (llguidance drops the GIL): one request's matchers do not queue behind
+#: each other's, nor a slow grammar's masks in front of everyone's. They run at a lower priority
+#: than the engine loop (``MASK_NICE``), so mask work never slows the forward calls of others.
+MASK_WORKERS = 4
+MASK_NICE = 10
+#: How long a step waits for masks not ready when its forward call ends: this share of the forward
+#: call's time, at least MASK_WAIT_FLOOR seconds; a sequence whose mask is later is skipped for the
+#: step (its last position runs again next step). When every sampled row waits for a mask (nobody
+#: else to serve), up to MASK_IDLE_WAIT.
+MASK_WAIT_SHARE = 0.25
+MASK_WAIT_FLOOR = 0.0005
+MASK_IDLE_WAIT = 0.05
+_workers: ThreadPoolExecutor | None = None
+_workers_lock = threading.Lock()
 
 
-def _mask_worker() -> ThreadPoolExecutor:
-    global _worker
-    with _worker_lock:
-        if _worker is None:
-            _worker = ThreadPoolExecutor(1, thread_name_prefix="infeng-grammar")
-        return _worker
+def _lower_priority() -> None:
+    try:                                       # Linux: a thread's nice value is its own
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MASK_NICE)
+    except (OSError, AttributeError):
+        pass
+
+
+def _mask_workers() -> ThreadPoolExecutor:
+    global _workers
+    with _workers_lock:
+        if _workers is None:
+            _workers = ThreadPoolExecutor(MASK_WORKERS, thread_name_prefix="infeng-grammar",
+                                          initializer=_lower_priority)
+        return _workers
 
 
 class Constraint:
     """The matchers of one request's choices and their next-token masks.
 
-    ``disallowed[i]`` is choice i's mask (True: the token may not come next), filled on the worker
-    thread; ``pending[i]`` is that fill's future. The engine loop thread is the only one that
-    consumes tokens (``advance``), and it waits for a choice's fill before reading or changing it."""
+    ``disallowed[i]`` is choice i's mask (True: the token may not come next), filled on a worker
+    thread; ``pending[i]`` is the future of choice i's job (consume, then fill) and ``queued[i]``
+    when it was queued. At most one job per choice is queued at a time, and the engine loop thread
+    reads a matcher only once its job is done: no two threads use a matcher at once."""
 
-    def __init__(self, matchers: list, vocab_size: int, eos: list[int]):
+    def __init__(self, matchers: list, vocab_size: int, eos: list[int],
+                 mask_seconds: float = GrammarLimits.mask_seconds):
         self.matchers = matchers
         self.vocab_size = vocab_size
         self.eos = eos
+        self.mask_seconds = mask_seconds
         words = (vocab_size + 31) // 32
         self.bits = np.zeros((len(matchers), words), dtype=np.int32)
         self.disallowed = np.zeros((len(matchers), vocab_size), dtype=bool)
-        self.ready = [False] * len(matchers)       # disallowed[i] is the mask of choice i's current state
         self.pending: list[Future | None] = [None] * len(matchers)
-        # per drafting choice: the verification rows' masks ([k + 1, vocab]) and the job that fills them
-        self.draft_masks: list[tuple[np.ndarray, Callable[[], None]] | None] = [None] * len(matchers)
+        self.queued = [0.0] * len(matchers)
+        # per drafting choice: the verification rows' masks ([k + 1, vocab])
+        self.draft_masks: list[np.ndarray | None] = [None] * len(matchers)
 
     def _mask_of(self, index: int, out: np.ndarray) -> None:
         """The disallowed tokens of choice ``index``'s matcher in its state now, into ``out``."""
         import llguidance.numpy as lnp
 
         m = self.matchers[index]
-        if m.is_error():                           # a dead end: let the sequence end
+        if m.is_error():                           # a dead end (or a parser limit): let the sequence end
             out[:] = True
             out[self.eos] = False
             return
@@ -213,40 +262,56 @@ class Constraint:
         if out.all():
             out[self.eos] = False
 
-    def _fill(self, indices: list[int]) -> None:
-        for i in indices:
-            self._mask_of(i, self.disallowed[i])
-            self.ready[i] = True
+    def _queue(self, index: int, job: Callable[[], None]) -> None:
+        self.queued[index] = time.monotonic()
+        self.pending[index] = _mask_workers().submit(job)
 
     def prefetch(self, indices: Iterable[int]) -> None:
-        indices = list(indices)
-        if indices:
-            future = _mask_worker().submit(self._fill, indices)
-            for i in indices:
-                self.pending[i] = future
+        """Queue the masks of choices ``indices`` (one job each: they fill in parallel)."""
+        for i in indices:
+            self._queue(i, lambda i=i: self._mask_of(i, self.disallowed[i]))
+
+    def ready(self, index: int, deadline: float | None = None) -> bool:
+        """Whether choice ``index``'s mask is ready (waiting for it until ``deadline`` at most)."""
+        future = self.pending[index]
+        if future is None or future.done():
+            return True
+        if deadline is not None:
+            futures_wait([future], timeout=max(deadline - time.monotonic(), 0.0))
+        return future.done()
+
+    def overdue(self, index: int, now: float) -> bool:
+        """Whether choice ``index``'s mask is still not ready ``mask_seconds`` after it was queued."""
+        return not self.ready(index) and now - self.queued[index] > self.mask_seconds
+
+    def failure(self, index: int) -> str | None:
+        """Why choice ``index``'s matcher stopped (a parser limit hit), or None; its mask is ready."""
+        m = self.matchers[index]
+        return m.get_error()[:300] if m.is_error() else None
 
     def mask(self, index: int) -> np.ndarray:
-        """Choice ``index``'s disallowed tokens (waits for its fill; fills it now if none is queued)."""
-        future = self.pending[index]
-        self.pending[index] = None
-        if future is None:
-            if not self.ready[index]:
-                self._fill([index])
-        elif future.cancel():                       # the worker never got to it (a busy machine): fill here
-            self._fill([index])
-        else:
+        """Choice ``index``'s disallowed tokens (the caller has seen ``ready``; re-raises a worker error)."""
+        future, self.pending[index] = self.pending[index], None
+        if future is not None:
             future.result()
         return self.disallowed[index]
 
-    def accept(self, index: int, token: int) -> bool:
-        """Advance choice ``index`` by ``token`` (the caller has waited for its mask)."""
-        self.ready[index] = False
-        return self.matchers[index].consume_token(token)
+    def advance(self, index: int, tokens: list[int]) -> None:
+        """Queue feeding choice ``index``'s matcher ``tokens`` (in order; the caller has taken its
+        mask) and filling its next mask: both on a worker thread, as consuming a token costs what a
+        mask does for an ambiguous grammar (a refused token leaves the matcher in error: ``failure``)."""
+        def job() -> None:
+            m = self.matchers[index]
+            for token in tokens:
+                if not m.consume_token(token):
+                    break
+            self._mask_of(index, self.disallowed[index])
+        self._queue(index, job)
 
     def check_draft(self, index: int, draft: list[int]) -> int:
         """How many of ``draft``'s tokens, from the first, choice ``index``'s grammar allows (up to
-        the first EOS, which is left to the target). Waits for the choice's mask fill: the worker
-        thread and this one never use a matcher at once. The state is not changed."""
+        the first EOS, which is left to the target); the caller has seen ``ready``. The state is not
+        changed."""
         self.mask(index)
         eos = next((j for j, t in enumerate(draft) if t in self.eos), len(draft))
         return self.matchers[index].validate_tokens(draft[:eos]) if eos else 0
@@ -271,20 +336,21 @@ class Constraint:
             if consumed:
                 m.rollback(consumed)
 
-        self.draft_masks[index] = (masks, fill)
-        self.pending[index] = _mask_worker().submit(fill)
+        self.draft_masks[index] = masks
+        self._queue(index, fill)
 
     def mask_draft_rows(self, index: int, rows: np.ndarray) -> None:
         """Mask the verification ``rows`` of choice ``index``'s draft in place (``prefetch_draft``'s
-        masks; waits for them, or computes them here if the worker has not started)."""
-        (masks, fill), self.draft_masks[index] = self.draft_masks[index], None
-        future, self.pending[index] = self.pending[index], None
-        if future.cancel():
-            fill()
-        else:
-            future.result()
+        masks; the caller has seen ``ready``)."""
+        masks, self.draft_masks[index] = self.draft_masks[index], None
+        self.mask(index)
         for row, disallowed in zip(rows, masks):
             _mask_row(row, disallowed, self.vocab_size)
+
+    def drop_draft(self, index: int) -> None:
+        """The verification of choice ``index``'s draft was skipped (its masks were late): once the
+        job is done, the matcher is back in its state before the draft and ``disallowed`` is its mask."""
+        self.draft_masks[index] = None
 
 
 def _mask_row(row: np.ndarray, disallowed: np.ndarray, vocab_size: int) -> None:
@@ -297,37 +363,49 @@ def _mask_row(row: np.ndarray, disallowed: np.ndarray, vocab_size: int) -> None:
         row[n:] = MASKED_LOGIT
 
 
+def mask_wait(forward_seconds: float) -> float:
+    """How long a step waits for masks that are not ready, after a forward call of this long."""
+    return max(MASK_WAIT_FLOOR, MASK_WAIT_SHARE * forward_seconds)
+
+
+def late_masks(seqs: list[Any], forward_seconds: float, alone: bool) -> set[int]:
+    """Wait a little for the masks of the constrained sequences ``seqs`` of a step (MASK_WAIT_SHARE
+    of its forward call; MASK_IDLE_WAIT if they are ``alone`` in it and none is ready); the positions
+    in ``seqs`` of those still not ready."""
+    waiting: list[tuple[int, Future]] = []
+    for i, seq in enumerate(seqs):
+        future = seq.request.grammar.pending[seq.index]
+        if future is not None and not future.done():
+            waiting.append((i, future))
+    if not waiting:
+        return set()
+    idle = alone and len(waiting) == len(seqs)
+    budget = MASK_IDLE_WAIT if idle else mask_wait(forward_seconds)
+    futures_wait([f for _, f in waiting], timeout=budget)
+    return {i for i, f in waiting if not f.done()}
+
+
 def apply_masks(logits: np.ndarray, rows: list[tuple[int, Any]]) -> None:
-    """Set the disallowed logits of each ``(row, sequence)`` to MASKED_LOGIT, in place."""
+    """Set the disallowed logits of each ``(row, sequence)`` to MASKED_LOGIT, in place (their masks
+    are ready)."""
     for r, seq in rows:
         c = seq.request.grammar
         _mask_row(logits[r], c.mask(seq.index), c.vocab_size)
 
 
 def advance(outs: list) -> None:
-    """Feed each constrained output's token to its matcher (a verification step gives a choice
-    several, in order) and queue the next masks (one job for the step; it runs while the next
+    """Queue feeding each constrained output's token to its matcher (a verification step gives a
+    choice several, in order) and its next mask (one job per choice; they run while the next
     forward call does)."""
-    by_constraint: dict[int, tuple[Constraint, list[int]]] = {}
+    advanced: dict[tuple[int, int], tuple[Constraint, int, list[int]]] = {}
     for o in outs:
         c = o.request.grammar
         if c is None or o.token is None or o.finish_reason is not None:
             continue
-        c.accept(o.index, o.token)
-        entry = by_constraint.get(id(c))
+        entry = advanced.get((id(c), o.index))
         if entry is None:
-            by_constraint[id(c)] = (c, [o.index])
-        elif o.index not in entry[1]:
-            entry[1].append(o.index)
-    if not by_constraint:
-        return
-    work = list(by_constraint.values())
-
-    def fill() -> None:
-        for c, indices in work:
-            c._fill(indices)
-
-    future = _mask_worker().submit(fill)
-    for c, indices in work:
-        for i in indices:
-            c.pending[i] = future
+            advanced[id(c), o.index] = (c, o.index, [o.token])
+        else:
+            entry[2].append(o.token)
+    for c, index, tokens in advanced.values():
+        c.advance(index, tokens)

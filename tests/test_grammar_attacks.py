@@ -1,0 +1,250 @@
+"""The structured-output attacks of issue 34 against a real ``infeng serve`` (stories260K, loopback),
+with bystanders streaming from other loopback addresses (other clients, for the fair shares):
+every attack is a 4xx naming its limit within its budget, the bystanders' inter-token gap stays
+under twice its unloaded value, a greedy client does not hold the bystanders back, and SIGTERM in
+the middle of it all ends the process within --shutdown-timeout plus the grace.
+
+The gaps are medians over many tokens after a warm-up (the host has 2 shared cores).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+
+from _serving import running_server, served_artifact, server_process
+
+pytest.importorskip("llguidance")
+
+MODEL = "stories260K"
+PROMPT = "Once upon a time"
+BYSTANDERS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+ATTACKER = "127.0.0.5"
+GRAMMAR_TIMEOUT = 2.0
+#: A few dozen bytes whose Earley rows grow with the output.
+AMBIGUOUS = 'start: s\ns: s s | s s s | "a" | "b" | "ab" | ""'
+
+
+def chain(depth: int, gbnf: bool = False) -> str:
+    if gbnf:
+        return "\n".join(["root ::= r0"] + [f"r{i} ::= r{i + 1}" for i in range(depth)] + [f'r{depth} ::= "a"'])
+    return "\n".join(["start: r0"] + [f"r{i}: r{i + 1}" for i in range(depth)] + [f'r{depth}: "a"'])
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def completion(**kw) -> dict:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, **kw}
+
+
+def client(address: str, timeout: float = 120) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=timeout)
+
+
+#: (body, the param the 400 names, words of its message): one attack per limit.
+ATTACKS = [
+    (completion(guided_grammar=chain(2000)), "guided_grammar", "number of grammar rules"),
+    (completion(guided_grammar=chain(200)), "guided_grammar", "depth"),
+    (completion(structured_outputs={"grammar": chain(3000, gbnf=True)}), "structured_outputs.grammar", "rules"),
+    (completion(guided_grammar="start: " + "(" * 500 + '"a"' + ")" * 500), "guided_grammar", "depth"),
+    (completion(guided_grammar="start: " + " | ".join(f'"w{i}"' for i in range(5000))), "guided_grammar",
+     "alternatives"),
+    (completion(guided_choice=[f"w{i}" for i in range(100_000)]), "guided_choice", "number of choices"),
+    (completion(guided_choice=["x" * 2000] * 100), "guided_choice", "total size"),
+    (completion(guided_regex="(" * 200 + "a" + ")" * 200), "guided_regex", "nesting depth"),
+    (completion(guided_json=json.dumps(nested_schema(100))), "guided_json", "nesting depth"),   # as JSON text
+    (completion(guided_regex="[a-z]", n=32), "n", "at most 16 sequences"),
+]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return served_artifact(tmp_path_factory.mktemp("attack-artifact"))
+
+
+@pytest.fixture(scope="module")
+def server(artifact, tmp_path_factory):
+    with running_server(artifact, "--max-seqs", "16", "--grammar-timeout", str(GRAMMAR_TIMEOUT),
+                        log=tmp_path_factory.mktemp("log") / "serve.log") as url:
+        yield url
+
+
+def refused(response: httpx.Response, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize("body, param, words", ATTACKS, ids=[
+    "rules", "depth", "gbnf-rules", "brackets", "alternatives", "choices", "choice-bytes", "regex", "schema-text",
+    "n"])
+def test_every_attack_is_a_400_naming_its_limit_within_its_budget(server, body, param, words):
+    with client(ATTACKER) as http:
+        t0 = time.monotonic()
+        error = refused(http.post(f"{server}/v1/completions", json=body))
+        assert time.monotonic() - t0 < GRAMMAR_TIMEOUT + 1
+        assert error["param"] == param and words in error["message"] and "limit" in error["message"]
+        assert http.get(f"{server}/health").status_code == 200
+
+
+def test_an_ambiguous_grammar_ends_with_an_error_event_naming_the_limit(server):
+    body = completion(guided_grammar=AMBIGUOUS, max_tokens=480, stream=True, temperature=1.0, seed=5, n=4)
+    with client(ATTACKER) as http, http.stream("POST", f"{server}/v1/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    errors = [json.loads(line[6:])["error"] for line in lines if line.startswith('data: {"error"')]
+    assert errors and all(e["code"] == "grammar_too_expensive" and "parser limit" in e["message"] for e in errors)
+    plain = httpx.post(f"{server}/v1/completions", json={**body, "stream": False}, timeout=120)
+    assert refused(plain)["code"] == "grammar_too_expensive"
+
+
+# -- bystanders ------------------------------------------------------------------------------------
+def stream_gaps(url: str, address: str, max_tokens: int, out: dict, warmup: int = 30) -> None:
+    """Stream ``max_tokens`` tokens from ``address``; out[address]: the gaps between chunks after
+    ``warmup`` of them (seconds)."""
+    body = completion(max_tokens=max_tokens, ignore_eos=True, stream=True)
+    times = []
+    with client(address) as http, http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
+    out[address] = [b - a for a, b in zip(times[warmup:], times[warmup + 1:])]
+
+
+def bystander_gap(url: str, during=None, max_tokens: int = 400) -> float:
+    """The median inter-token gap of three bystanders streaming together (``during()`` runs meanwhile)."""
+    out: dict = {}
+    threads = [threading.Thread(target=stream_gaps, args=(url, a, max_tokens, out)) for a in BYSTANDERS]
+    for t in threads:
+        t.start()
+    if during is not None:
+        during()
+    for t in threads:
+        t.join(300)
+    assert set(out) == set(BYSTANDERS) and all(out.values())
+    return statistics.median(g for gaps in out.values() for g in gaps)
+
+
+def attack(url: str, stop: threading.Event, results: list) -> None:
+    """One attacker: ambiguous-grammar streams (n=4) and refused grammars, again and again."""
+    bodies = [completion(guided_grammar=AMBIGUOUS, max_tokens=480, temperature=1.0, n=4, stream=True),
+              completion(guided_grammar=chain(5000)), completion(guided_choice=[f"w{i}" for i in range(50_000)])]
+    with client(ATTACKER) as http:
+        i = 0
+        while not stop.is_set():
+            body = bodies[i % len(bodies)]
+            i += 1
+            r = http.post(f"{url}/v1/completions", json=body)
+            results.append((r.status_code, r.text[-300:]))
+
+
+@pytest.mark.slow
+def test_bystanders_keep_their_pace_under_attack(server):
+    bystander_gap(server, max_tokens=100)                   # warm-up
+    alone = bystander_gap(server)
+    stop = threading.Event()
+    results: list = []
+    attackers = [threading.Thread(target=attack, args=(server, stop, results)) for _ in range(2)]
+
+    def during():
+        for t in attackers:
+            t.start()
+    try:
+        loaded = bystander_gap(server, during)
+    finally:
+        stop.set()
+        for t in attackers:
+            t.join(60)
+    print(json.dumps({"bystander_gap_alone_ms": round(alone * 1e3, 3), "under_attack_ms": round(loaded * 1e3, 3),
+                      "attacks": len(results)}))
+    assert results and all(status in (200, 400) for status, _ in results)
+    assert any("grammar_too_expensive" in text for _, text in results)      # the ambiguous streams' errors
+    assert loaded < 2 * alone
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_a_greedy_client_does_not_hold_three_bystanders_back(artifact, tmp_path):
+    """The greedy client queues 24 long sequences on 4 slots first; each bystander is admitted at
+    the next free slot, long before the greedy backlog is done."""
+    greedy_body = completion(max_tokens=400, ignore_eos=True, n=4)
+    with running_server(artifact, "--max-seqs", "4", log=tmp_path / "serve.log") as url:
+        done: dict = {}
+
+        def greedy(i: int) -> None:
+            with client("127.0.0.1") as http:
+                assert http.post(f"{url}/v1/completions", json=greedy_body).status_code == 200
+            done[i] = time.monotonic()
+
+        t0 = time.monotonic()
+        floods = [threading.Thread(target=greedy, args=(i,)) for i in range(6)]
+        for t in floods:
+            t.start()
+        time.sleep(0.5)
+        firsts: dict = {}
+
+        def bystander(address: str) -> None:
+            start = time.monotonic()
+            with client(address) as http, http.stream("POST", f"{url}/v1/completions",
+                                                      json=completion(max_tokens=8, stream=True)) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        firsts.setdefault(address, time.monotonic() - start)
+        others = [threading.Thread(target=bystander, args=(a,)) for a in BYSTANDERS]
+        for t in others:
+            t.start()
+        for t in others + floods:
+            t.join(300)
+    backlog = max(done.values()) - t0
+    print(json.dumps({"bystander_ttft_s": {a: round(s, 3) for a, s in firsts.items()}, "greedy_backlog_s":
+                      round(backlog, 3)}))
+    assert len(done) == 6 and set(firsts) == set(BYSTANDERS)
+    assert max(firsts.values()) < backlog / 3
+
+
+@pytest.mark.slow
+def test_sigterm_under_attack_ends_the_process_within_the_timeout(artifact, tmp_path):
+    from infeng_runtime.server import SHUTDOWN_GRACE_SECONDS
+
+    timeout = 1.0
+    with server_process(artifact, "--max-seqs", "16", "--shutdown-timeout", str(timeout), "--grammar-timeout", "5",
+                        log=tmp_path / "serve.log") as (proc, url):
+        stop = threading.Event()
+        results: list = []
+        attackers = [threading.Thread(target=attack, args=(url, stop, results)) for _ in range(3)]
+        streams: dict = {}
+
+        def bystander(address: str) -> None:
+            body = completion(max_tokens=490, ignore_eos=True, stream=True, n=4)
+            with client(address) as http, http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                streams[address] = [line for line in r.iter_lines() if line]
+
+        others = [threading.Thread(target=bystander, args=(a,)) for a in BYSTANDERS]
+        for t in attackers + others:
+            t.start()
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout + SHUTDOWN_GRACE_SECONDS + 5)
+        elapsed = time.monotonic() - t0
+        stop.set()
+        for t in attackers + others:
+            t.join(60)
+    assert elapsed < timeout + SHUTDOWN_GRACE_SECONDS and code in (0, 1)
+    for lines in streams.values():                     # ended at the timeout: an error event, then [DONE]
+        assert lines[-1] == "data: [DONE]"
+        assert any(line.startswith('data: {"error"') and "shutting_down" in line for line in lines)
+    for status, text in results:                       # never a plain-text 500
+        assert status != 500 or text.startswith("{"), text

@@ -1,0 +1,308 @@
+"""Bounded grammars (issue 34): the scan that refuses a constraint over a limit before anything
+compiles it, grammar compiles in worker processes that are killed past their budget or replaced
+when they crash, masks with a per-step and a total time budget (a late sequence is skipped, an
+overdue one ends with an error, the others keep going), fair client ranks and shares, and the
+exit watchdog of a shutdown. Generated grammars of growing depth, ambiguity and size; the server
+end to end is tests/test_grammar_attacks.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("llguidance")
+
+from _serving import STORIES, served_artifact  # noqa: E402
+from infeng_runtime.grammar_limits import GrammarError, GrammarLimits, check_spec, grammar_shape, json_depth  # noqa: E402
+
+LIMITS = GrammarLimits()
+#: No bound the scan would hit: what the worker processes themselves must survive.
+UNBOUNDED = GrammarLimits(max_bytes=10 ** 9, max_rules=10 ** 9, max_depth=10 ** 9, max_alternatives=10 ** 9,
+                          max_choices=10 ** 9, compile_seconds=2.0)
+
+
+def chain(depth: int, gbnf: bool = False) -> str:
+    """``depth`` rules, each naming the next: the shape that overflows the compiler's stack."""
+    if gbnf:
+        return "\n".join(["root ::= r0"] + [f"r{i} ::= r{i + 1}" for i in range(depth)] + [f'r{depth} ::= "a"'])
+    return "\n".join(["start: r0"] + [f"r{i}: r{i + 1}" for i in range(depth)] + [f'r{depth}: "a"'])
+
+
+#: A few dozen bytes whose Earley rows grow with the output (each mask costs more than the last).
+AMBIGUOUS = 'start: s\ns: s s | s s s | "a" | "b" | "ab" | ""'
+
+
+# -- the scan -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gbnf", [False, True])
+@pytest.mark.parametrize("depth", [1, 10, 100, 1000, 10_000])
+def test_chain_depth_is_measured_without_recursion(depth, gbnf):
+    shape = grammar_shape(chain(depth, gbnf))
+    assert shape.depth == depth + 2 and shape.rules == depth + 2
+
+
+def test_shape_of_brackets_alternatives_and_recursion():
+    assert grammar_shape("start: " + "(" * 300 + '"a"' + ")" * 300).depth == 301
+    assert grammar_shape(AMBIGUOUS).alternatives == 6          # recursion is no compile-time depth
+    assert grammar_shape(AMBIGUOUS).depth == 2
+    gbnf = 'root ::= item ("," item)*\nitem ::= [a-z()]+ | "(" root ")"   # brackets in classes and strings'
+    assert grammar_shape(gbnf) .depth == 3 and grammar_shape(gbnf).alternatives == 2
+    lark = 'start: x+\nx: /[(]+/ | "((" | X\nX: "a" // ((( a comment'
+    assert grammar_shape(lark).rules == 3 and grammar_shape(lark).depth == 3
+
+
+def test_json_depth():
+    assert json_depth(1) == 0 and json_depth({}) == 1 and json_depth({"a": [{"b": 1}]}) == 3
+    deep: dict = {}
+    for _ in range(10_000):
+        deep = {"items": deep}
+    assert json_depth(deep) == 10_001
+
+
+def _refusal(kind, value, limits=LIMITS) -> str:
+    with pytest.raises(GrammarError) as e:
+        check_spec(kind, value, "structured_outputs." + kind, limits)
+    assert e.value.param == "structured_outputs." + kind and e.value.code == "grammar_too_large"
+    return str(e.value)
+
+
+@pytest.mark.parametrize("kind, value, limit", [
+    ("grammar", chain(LIMITS.max_depth), "depth"),
+    ("grammar", chain(1500, gbnf=True), "number of grammar rules"),
+    ("grammar", "start: " + " | ".join(f'"w{i}"' for i in range(2000)), "alternatives"),
+    ("grammar", 'start: "' + "a" * 70_000 + '"', "grammar's size"),
+    ("grammar", "start: " + "(" * 100 + '"a"' + ")" * 100, "depth"),
+    ("choice", [f"w{i}" for i in range(100_000)], "number of choices"),
+    ("choice", ["x" * 1000] * 100, "choices' total size"),
+    ("regex", "(" * 100 + "a" + ")" * 100, "nesting depth"),
+    ("regex", "a" * 70_000, "regex's size"),
+    ("json", {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
+                                               for i in range(1000)}}, "JSON schema's size"),
+], ids=["depth", "rules", "alternatives", "bytes", "brackets", "choices", "choice-bytes", "regex-depth",
+        "regex-bytes", "schema-bytes"])
+def test_over_a_limit_is_refused_naming_it(kind, value, limit):
+    message = _refusal(kind, value)
+    assert limit in message and "the limit is" in message
+
+
+def test_schema_nesting_refused():
+    schema: dict = {"type": "string"}
+    for _ in range(100):
+        schema = {"type": "array", "items": schema}
+    assert "nesting depth" in _refusal("json", schema)
+
+
+@pytest.mark.parametrize("kind, value", [("grammar", chain(40)), ("grammar", AMBIGUOUS),
+                                         ("choice", [f"w{i}" for i in range(1000)]), ("regex", "[a-z]{1,20}"),
+                                         ("json", {"type": "object"})], ids=["chain", "ambiguous", "choice", "regex",
+                                                                            "schema"])
+def test_within_the_limits_passes(kind, value):
+    check_spec(kind, value, "p", LIMITS)
+
+
+def test_scan_is_cheap():
+    t0 = time.perf_counter()
+    grammar_shape(chain(5000))
+    assert time.perf_counter() - t0 < 2.0          # linear: tens of ms here; a loose bound on a shared host
+
+
+# -- worker processes -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def workers():
+    from infeng_runtime.grammar_worker import GrammarWorkers, TokenizerSpec
+    from infeng_runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(STORIES)
+    pool = GrammarWorkers(TokenizerSpec(tok.hf.to_str(), 512, tuple(tok.eos_token_ids)), 2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def compiler(workers):
+    from infeng_runtime.structured import GrammarCompiler
+    from infeng_runtime.tokenizer import Tokenizer
+
+    return GrammarCompiler(Tokenizer(STORIES), 512, UNBOUNDED, workers)
+
+
+@pytest.mark.parametrize("depth", [10, 100, 300])      # the worker's 2 MiB stack holds ~500 (8 MiB: ~2,000)
+def test_growing_depth_compiles_in_a_worker(compiler, depth):
+    from infeng_runtime.structured import GrammarSpec
+
+    c = compiler.constraint(GrammarSpec("grammar", chain(depth)), 2)
+    assert c.ready(0, deadline=time.monotonic() + 30) and c.ready(1, deadline=time.monotonic() + 30)
+    assert c.failure(0) is None and c.mask(0).sum() == 511       # only "a" may come first
+
+
+def test_a_crashing_grammar_is_a_400_and_the_worker_is_replaced(compiler, caplog):
+    from infeng_runtime.structured import GrammarSpec
+
+    with caplog.at_level("ERROR", logger="infeng.grammar"):
+        with pytest.raises(GrammarError) as e:        # a stack overflow in the worker (SIGSEGV)
+            compiler.grammar(GrammarSpec("grammar", chain(20_000), "guided_grammar"))
+    assert e.value.code == "grammar_crashed" and e.value.param == "guided_grammar"
+    assert [r.message for r in caplog.records] == ["grammar compiler crashed"]
+    with caplog.at_level("ERROR", logger="infeng.grammar"):
+        with pytest.raises(GrammarError) as again:    # the same grammar again: refused without a compile
+            compiler.grammar(GrammarSpec("grammar", chain(20_000), "guided_grammar"))
+    assert again.value.code == "grammar_crashed" and len(caplog.records) == 1
+    assert compiler.grammar(GrammarSpec("grammar", chain(30)))     # the replacement serves
+
+
+def test_a_runaway_compile_is_killed_at_its_budget(compiler):
+    from infeng_runtime.structured import GrammarSpec
+
+    t0 = time.monotonic()
+    with pytest.raises(GrammarError) as e:
+        compiler.grammar(GrammarSpec("choice", [f"word{i}" for i in range(200_000)], "guided_choice"))
+    elapsed = time.monotonic() - t0
+    assert e.value.code == "grammar_too_expensive" and "2 s" in str(e.value)
+    assert UNBOUNDED.compile_seconds <= elapsed < UNBOUNDED.compile_seconds + 3
+    assert compiler.grammar(GrammarSpec("regex", "[0-9]{3}"))
+
+
+# -- masks ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return served_artifact(tmp_path_factory.mktemp("grammar-artifact"))
+
+
+def _run(artifact, slow: dict[str, float], mask_seconds: float) -> dict[str, tuple[list[int], str | None]]:
+    """Four requests in one batch: ``plain`` unconstrained, ``json``, and each name of ``slow`` a
+    JSON constraint whose every mask takes that many seconds; (tokens, error) per request."""
+    from infeng_runtime.grammar_limits import GrammarLimits
+    from infeng_runtime.llm import LLM
+    from infeng_runtime.sampling import SamplingParams
+    from infeng_runtime.scheduler import Request
+    from infeng_runtime.structured import Constraint, GrammarCompiler, GrammarSpec
+
+    llm = LLM(artifact, threads=1, max_seqs=8)
+    grammars = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size, GrammarLimits(mask_seconds=mask_seconds))
+    results: dict[str, tuple[list[int], str | None]] = {}
+
+    def sink(outs):
+        for o in outs:
+            tokens, error = results.setdefault(o.request.request_id, ([], None))
+            if o.token is not None:
+                tokens.append(o.token)
+            if o.error:
+                results[o.request.request_id] = (tokens, o.error)
+
+    def slowed(c: Constraint, seconds: float) -> Constraint:
+        mask_of = c._mask_of
+
+        def slow_mask(index, out):
+            time.sleep(seconds)
+            mask_of(index, out)
+        c._mask_of = slow_mask
+        return c
+
+    params = SamplingParams(max_new_tokens=60)
+    prompt = llm.tokenizer.encode("Once upon a time")
+    spec = GrammarSpec("json", {"type": "object", "properties": {"name": {"type": "string"}}})
+    try:
+        llm.loop.submit(Request("plain", prompt, params, sink=sink))
+        llm.loop.submit(Request("json", prompt, params, grammar=grammars.constraint(spec, 1), sink=sink))
+        for name, seconds in slow.items():
+            llm.loop.submit(Request(name, prompt, params, grammar=slowed(grammars.constraint(spec, 1), seconds),
+                                    sink=sink))
+        while llm.loop.has_work():
+            llm.loop.run_once()
+    finally:
+        llm.close()
+    return results
+
+
+def test_late_masks_skip_a_step_and_change_nothing(artifact):
+    """A sequence whose masks are late every step is skipped until they are ready: its output is
+    the one it has alone, and the others' are theirs."""
+    alone = _run(artifact, {}, mask_seconds=30)
+    slowed = _run(artifact, {"slow": 0.01}, mask_seconds=30)
+    assert slowed["plain"] == alone["plain"] and slowed["json"] == alone["json"]
+    assert slowed["slow"] == alone["json"] and slowed["slow"][1] is None
+
+
+def test_overdue_mask_ends_its_sequence_alone(artifact):
+    results = _run(artifact, {"stuck": 1.0}, mask_seconds=0.3)
+    tokens, error = results["stuck"]
+    assert error and "grammar mask time limit" in error and "0.3 s" in error
+    assert results["plain"][1] is None and len(results["plain"][0]) == 60
+    assert results["json"][1] is None
+
+
+def test_ambiguous_grammar_stops_at_the_parser_limit(artifact):
+    """The ambiguous grammar's rows grow with the output until llguidance's max_items_in_row
+    (PARSER_LIMITS) ends it: an error naming the limit, after a bounded number of tokens."""
+    from infeng_runtime.llm import LLM
+    from infeng_runtime.sampling import SamplingParams
+    from infeng_runtime.scheduler import Request
+    from infeng_runtime.structured import GrammarCompiler, GrammarSpec
+
+    llm = LLM(artifact, threads=1, max_seqs=8)
+    grammars = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size)
+    outs = []
+    try:
+        llm.loop.submit(Request("amb", llm.tokenizer.encode("Once"), SamplingParams(max_new_tokens=500, seed=1,
+                                                                                     temperature=1.0), n=8,
+                                grammar=grammars.constraint(GrammarSpec("grammar", AMBIGUOUS), 8), sink=outs.extend))
+        t0 = time.monotonic()
+        while llm.loop.has_work():
+            llm.loop.run_once()
+        elapsed = time.monotonic() - t0
+    finally:
+        llm.close()
+    errors = [o.error for o in outs if o.finish_reason == "error"]      # (the grammar allows EOS anywhere)
+    assert errors and all("parser limit" in e and "max is 500" in e for e in errors)
+    assert elapsed < 30
+
+
+# -- fair shares ------------------------------------------------------------------------------------
+def test_a_clients_sequences_rank_after_its_own():
+    from infeng_runtime.kv_cache import BlockAllocator
+    from infeng_runtime.sampling import SamplingParams
+    from infeng_runtime.scheduler import Request, Scheduler
+
+    sched = Scheduler(BlockAllocator(n_blocks=64, block_size=16, max_seqs=2, max_context=256), [2])
+    params = SamplingParams(max_new_tokens=4)
+    sched.add(Request("greedy", [1, 5, 6], params, n=8, client="10.0.0.1"))
+    sched.add(Request("bystander", [1, 7], params, client="10.0.0.2"))
+    sched.add(Request("greedy-2", [1, 8], params, client="10.0.0.1"))
+    plan = sched.schedule()
+    assert [s.request.request_id for s in plan.seqs] == ["greedy", "bystander"]   # second slot: the bystander
+    assert [s.order[1] for s in sched.requests["greedy-2"]] == [8]
+
+
+def test_client_shares_let_one_job_per_client_run():
+    from infeng_runtime.fair_share import ClientShares
+
+    async def main() -> list[str]:
+        shares = ClientShares()
+        order: list[str] = []
+
+        async def job(client: str, name: str, seconds: float):
+            release = await shares.acquire(client)
+            order.append(name)
+            await asyncio.sleep(seconds)
+            release()
+
+        await asyncio.gather(job("a", "a1", 0.2), job("a", "a2", 0.2), job("a", "a3", 0.2), job("b", "b1", 0.01))
+        assert not shares._held
+        return order
+
+    assert asyncio.run(main()) == ["a1", "b1", "a2", "a3"]
+
+
+# -- the shutdown's last resort -------------------------------------------------------------------
+def test_exit_watchdog_ends_a_process_stuck_in_a_thread():
+    script = ("import threading, time\n"
+              "from infeng_runtime.exit_watchdog import exit_after\n"
+              "threading.Thread(target=time.sleep, args=(60,)).start()\n"      # not a daemon: exit waits
+              "exit_after(0.5, lambda: 0)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and time.monotonic() - t0 < 10
+    assert "exiting now" in proc.stderr

@@ -68,7 +68,8 @@ def _main(show_version: bool = typer.Option(False, "--version", is_eager=True, c
 
 
 def fails_cleanly(fn: Callable) -> Callable:
-    """Turn InfengError (and a broken pipe or ^C) into one line and exit code 2."""
+    """Turn InfengError, and an OSError about a file (a name too long, a permission), into one line
+    and exit code 2; ^C into exit code 130."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -76,6 +77,12 @@ def fails_cleanly(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except InfengError as e:
             err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except OSError as e:
+            if e.filename is None:              # not about a file the user named
+                raise
+            err.print(f"[bold red]error:[/] {escape(str(e.filename))}: {escape(e.strerror or str(e)).lower()}",
+                      highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("interrupted")

@@ -50,7 +50,7 @@ class _Typer(typer.Typer):
 app = _Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
              rich_markup_mode="markdown",
              help="infeng: compile Hugging Face / ONNX LLMs and LoRA adapters to CPU kernels, and run them.")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)    # lines are never broken: a path stays one piece to paste
 
 
 def _print_version(value: bool) -> None:
@@ -205,12 +205,18 @@ def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, 
     options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank, lora_targets,
                               tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window)
     snapshots: list[tuple[str, str]] = []
+    printed_meta: dict[str, str] = {}           # meta text -> the section that printed it
 
     def keep(name: str, g) -> None:
         if after not in ("all", name):
             return
         if format == IRFormat.onnx:
             save_onnx(g, output)
+        if format == IRFormat.text and after == "all":
+            meta = json.dumps(g.meta)
+            seen = printed_meta.setdefault(meta, name)
+            snapshots.append((name, print_graph(g, meta_note=f"as after {seen}" if seen != name else None)))
+            return
         snapshots.append((name, "" if format == IRFormat.onnx else render(g)))
 
     compile_stages = after is not None and after != "import"
@@ -483,12 +489,13 @@ def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir
         summary = compile_model(model, output, options,
                                 stage=lambda name: bar.update(task, description=name, completed=0, total=None),
                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
-    table = Table(title=f"compiled {output}", show_header=False)
+    table = Table(show_header=False)
     table.add_row("target", summary.target)
     table.add_row("pipeline", summary.pipeline)
     table.add_row("kv cache", f"{options.kv}" + (f", last {options.kv_window} tokens f16" if options.kv_window else "")
                   + (", K centred" if summary.kv_centred else "") + f", {summary.kv_bytes_per_token:g} bytes/token")
-    table.add_row("weights", f"{summary.weights_bytes / 2**20:.1f} MiB")
+    table.add_row("weights", f"{summary.weights_bytes / 2**20:.1f} MiB, matrices stored as "
+                  f"{_matrix_formats(output)}")
     table.add_row("kernels rendered", str(summary.kernels))
     table.add_row("build cache", "hit" if summary.cache_hit else "miss")
     for name, seconds in summary.stages.items():
@@ -498,9 +505,21 @@ def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir
                 table.add_row(f"    {record.name}", f"{record.seconds * 1e3:.1f} ms"
                               + ("" if record.changed else " (no change)"))
     table.add_row("total", f"{summary.seconds:.2f} s")
-    err.print(table)
+    err.print(table, soft_wrap=False)
     if summary.quant:
-        err.print(quant_table(summary.quant))
+        err.print(quant_table(summary.quant), soft_wrap=False)
+    err.print(f"compiled {output}", highlight=False)
+
+
+def _matrix_formats(artifact: Path) -> str:
+    """``q4g32m x120, q8g32 x1``: what the artifact's matrices are stored as (a GGUF's 4-bit
+    matrices stay 4-bit whatever the cast-weights dtype, which applies to float matrices)."""
+    from collections import Counter
+
+    from infeng_common.manifest import read_manifest
+
+    formats = Counter(t["format"] for t in read_manifest(artifact)["tensors"] if len(t["shape"]) >= 2)
+    return ", ".join(f"{name} x{count}" for name, count in formats.most_common())
 
 
 def quant_table(report):
@@ -977,7 +996,9 @@ def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
             progress=lambda done, total: bar.update(task, completed=done, total=total))
     seconds = time.perf_counter() - started
     done = "loaded the cached artifact" if hit else "compiled with the file's int4 weights (Q4_1, bit for bit)"
-    err.print(f"{done} in {seconds:.1f} s -> {artifact}")
+    err.print(f"model file: {gguf}", highlight=False)
+    err.print(f"{done} in {seconds:.1f} s: {artifact}", highlight=False)
+    err.print(f"[dim]next: infeng chat {artifact}[/]", highlight=False)
     llm = LLM(artifact, max_seqs=1)
     tokenizer = llm.tokenizer
     label = f"compiled, {llm.engine.threads} threads"

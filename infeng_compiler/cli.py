@@ -691,7 +691,7 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                                                            "compiled into the artifact cache first"),
                   adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: serve a LoRA adapter as model "
                                                                        "NAME (repeatable)"),
-                  host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
+                  host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback: this machine only)"),
                   port: int = PORT,
                   threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
                   max_seqs: int = typer.Option(16, "--max-seqs", help="sequences batched together (KV slots)"),

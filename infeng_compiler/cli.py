@@ -178,7 +178,8 @@ def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, 
                                                         "each (all)"),
                target: str = TARGET, dtype: Optional[DType] = DTYPE, passes: Optional[str] = PASSES, max_tokens: int = MAX_TOKENS,
                lora: list[str] = LORA, merge: list[str] = MERGE, max_adapters: int = MAX_ADAPTERS,
-               max_rank: Optional[int] = MAX_RANK, lora_targets: Optional[str] = LORA_TARGETS, tokenizer: Optional[Path] = TOKENIZER,
+               max_rank: Optional[int] = MAX_RANK, lora_targets: Optional[str] = LORA_TARGETS,
+               tokenizer: Optional[Path] = TOKENIZER,
                quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
                kv: KVScheme = KV, kv_window: int = KV_WINDOW):
@@ -422,7 +423,8 @@ def _print_stream(prompt: str, pieces, result, as_json: bool, label: str,
         sys.stdout.write("\n")
     n = len(r.token_ids)
     speed = f", {r.tok_s:.1f} tok/s" if n > 1 and r.tok_s > 0 else ""
-    ended = "" if r.finish_reason == "length" else f", ended by {'EOS' if r.finish_reason == 'stop' else r.finish_reason}"
+    reason = "EOS" if r.finish_reason == "stop" else r.finish_reason
+    ended = "" if r.finish_reason == "length" else f", ended by {reason}"
     err.print(f"[dim]{n} token{'s' if n != 1 else ''}{speed}{ended} ({label})[/]")
     if speculative:
         s = speculative()
@@ -460,12 +462,14 @@ def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir
                                                           help="rebuild ARTIFACT from the model, inputs and options "
                                                                "its manifest records (inputs checked by sha256)"),
                     target: str = TARGET, dtype: Optional[DType] = DTYPE, passes: Optional[str] = PASSES,
-                    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="write NN-PASS.ir here, after each pass"),
+                    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir",
+                                                           help="write NN-PASS.ir here, after each pass"),
                     max_tokens: int = MAX_TOKENS,
                     profile: bool = typer.Option(False, "--profile", help="time every IR node (see infeng bench --profile)"),
                     timings: bool = typer.Option(False, "--timings", help="also show time per pass"),
                     lora: list[str] = LORA, merge: list[str] = MERGE, max_adapters: int = MAX_ADAPTERS,
-                    max_rank: Optional[int] = MAX_RANK, lora_targets: Optional[str] = LORA_TARGETS, tokenizer: Optional[Path] = TOKENIZER,
+                    max_rank: Optional[int] = MAX_RANK, lora_targets: Optional[str] = LORA_TARGETS,
+                    tokenizer: Optional[Path] = TOKENIZER,
                     quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                     calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
                     kv: KVScheme = KV, kv_window: int = KV_WINDOW):
@@ -754,7 +758,8 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
 
 
 def _serving_artifact(model: Path, target: str, dtype: DType | None, max_tokens: int, max_adapters: int,
-                      max_rank: int | None, tokenizer: Path | None, quant: QuantPreset | None, quant_policy: Path | None,
+                      max_rank: int | None, tokenizer: Path | None, quant: QuantPreset | None,
+                      quant_policy: Path | None,
                       calib: Path | None, calib_max_bytes: int | None, kv: KVScheme, kv_window: int) -> Path:
     """MODEL itself if it is an artifact; else MODEL compiled into the artifact cache (reused when
     the same model and options were compiled before), as ``serve`` and ``serve-ray`` do."""

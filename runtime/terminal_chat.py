@@ -99,7 +99,8 @@ class ChatSession:
 
     def ask(self, user_text: str, stopped: Callable[[], bool] = lambda: False) -> Iterator[str]:
         """Stream the answer to ``user_text``; ``stopped()`` is checked between pieces and ends the
-        answer early. The question and the answer (as far as it got) join the history."""
+        answer early. The question and the answer (as far as it got) join the history, unless the
+        answer failed (``last.finish_reason == "error"``)."""
         ids = self.prompt_ids(user_text)
         stream = self.llm.stream(ids, self.params, adapter=self.adapter)
         pieces: list[str] = []

@@ -172,3 +172,19 @@ def test_run_with_non_finite_logits_fails_with_one_line(tmp_path):
         assert result.stdout == ""
         assert result.stderr.strip().splitlines() == [
             f"error: {nan}: the model produced non-finite logits (NaN or Inf) for this sequence"]
+
+
+def test_chat_needs_a_chat_template(artifact, tmp_path):
+    import shutil
+
+    plain = tmp_path / "plain.infeng"
+    shutil.copytree(artifact, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    result = chat(plain, ["Hello"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: {plain}: the model has no chat template; infeng run --raw continues " \
+                                    f"plain text"
+    run = CliRunner().invoke(app, ["run", str(plain), "Once", "-n", "4", "--threads", "1"])
+    assert run.exit_code == 0 and run.stdout.startswith("Once")       # no template: the prompt is continued

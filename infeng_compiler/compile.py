@@ -87,7 +87,7 @@ class CompileOptions:
             raise InfengError("--calib needs --quant (calibrated weight scales) or an int8/int4 --kv (K centring)")
         quantize = quantize_entry(self.quant, self.quant_policy, *((self.calib, self.calib_max_bytes)
                                                                    if weights_calibrated else (None, None)))
-        cast = [self.dtype, "all"] if self.dtype and imported_quantized else [self.dtype or "f32"]
+        cast = [self.dtype or "f32"] + (["all" if self.dtype else "keep-quantized"] if imported_quantized else [])
         return (entries + kv + [("cast-weights", cast)] + ([quantize] if quantize else [])
                 + [("fuse-linears", [])])
 

@@ -22,6 +22,16 @@ class BenchConfig:
     trace_steps: int = 3
 
 
+def weight_storage(manifest: dict) -> str:
+    """The storage formats of the artifact's matrices, most bytes first (``q4g32m+q8g32`` for a GGUF
+    Q4_1 file's: what decode reads; the manifest's ``dtype`` is only the cast of float matrices)."""
+    nbytes: dict[str, int] = {}
+    for t in manifest["tensors"]:
+        if len(t["shape"]) >= 2:
+            nbytes[t["format"]] = nbytes.get(t["format"], 0) + t["nbytes"]
+    return "+".join(sorted(nbytes, key=lambda f: -nbytes[f])) or manifest["dtype"]
+
+
 def run_bench(engine: Engine, cfg: BenchConfig, bandwidth_gb_s: float | None) -> tuple[list[dict], list[list[dict]]]:
     """(one dict per result: prefill, decode with roofline, per-op rows when profiled;
     the per-op spans of the first ``trace_steps`` decode steps when profiled)."""
@@ -55,7 +65,7 @@ def run_bench(engine: Engine, cfg: BenchConfig, bandwidth_gb_s: float | None) ->
     decode_tok_s = B * len(steps) / steps.sum()
     weights = engine.manifest["weights_bytes"]
     common = {"artifact": engine.path.name, "threads": engine.threads, "batch": B,
-              "target": engine.manifest["target"], "dtype": engine.manifest["dtype"]}
+              "target": engine.manifest["target"], "weights": weight_storage(engine.manifest)}
     results = [
         {"bench": "prefill", **common, "prompt_len": P, "tok_s": round(B * P / ttft, 1), "ttft_ms": round(ttft * 1e3, 2)},
         {"bench": "decode", **common, "gen_len": cfg.gen_len, "tok_s": round(decode_tok_s, 1),

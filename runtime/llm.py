@@ -127,8 +127,8 @@ class LLM:
             choice: _Choice = out.request.context
             was_done = choice.text.done
             delta = choice.text.push(out)
+            choice.first = choice.first or now  # prefill ends with the first output, a token or not (EOS)
             if out.token is not None:
-                choice.first = choice.first or now
                 choice.last = now
             if delta is not None and delta.text:
                 choice.pieces.append(delta.text)

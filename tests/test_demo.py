@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,5 +28,9 @@ def test_demo_chats_with_the_real_model(smollm2):
     first = demo("-n", "24", "--prompt", "What is the capital of Germany?")
     assert first.returncode == 0, first.stderr
     assert "Berlin" in first.stdout and "tok/s" in first.stderr
+    lines = first.stderr.splitlines()                        # paths whole on their lines, to paste
+    assert f"model file: {smollm2}" in lines
+    artifact = next(line for line in lines if line.startswith("next: infeng chat ")).removeprefix("next: infeng chat ")
+    assert (Path(artifact) / "manifest.json").is_file()
     again = demo("-n", "8", "--prompt", "What is the capital of Germany?")
     assert again.returncode == 0 and "loaded the cached artifact" in again.stderr

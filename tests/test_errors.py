@@ -363,3 +363,34 @@ def test_cli_prints_the_message_verbatim(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["ir", str(missing)])
     assert result.exit_code == 2
     assert str(missing) in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("command", [["run", "{p}", "hi"], ["bench", "{p}"], ["verify", "{p}"], ["chat", "{p}"],
+                                     ["serve", "{p}"], ["compile", "{p}", "-o", "{p}.out"], ["ir", "{p}"]])
+def test_a_missing_path_is_no_such_file_before_any_format_check(tmp_path: Path, command: list[str]) -> None:
+    from typer.testing import CliRunner
+
+    from infeng_compiler.cli import app
+
+    missing = tmp_path / "absent.infeng"
+    result = CliRunner().invoke(app, [arg.format(p=missing) for arg in command])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1] == f"error: {missing}: no such file or directory"
+    assert "manifest" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [["run", "{p}", "hi"], ["bench", "{p}"], ["verify", "{p}"], ["chat", "{p}"],
+                                     ["serve", "{p}"], ["compile", "{p}", "-o", "out"], ["ir", "{p}"],
+                                     ["export", "{p}", "-o", "x.gguf"], ["eval", "{p}", "--ppl", "x.txt"]])
+def test_a_name_past_the_file_name_limit_is_one_line(command: list[str]) -> None:
+    """A model argument longer than NAME_MAX (255 bytes): the OS's refusal as one line, exit 2."""
+    from typer.testing import CliRunner
+
+    from infeng_compiler.cli import app
+
+    name = "m" * 300
+    result = CliRunner().invoke(app, [arg.format(p=name) for arg in command])
+    assert result.exit_code == 2, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {name}") and "too long" in last
+    assert "Traceback" not in result.output

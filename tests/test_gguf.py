@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -461,7 +462,7 @@ def test_cli_takes_gguf(stories_gguf, stories_dir: Path, assets: Path, tmp_path:
     path, quantized = stories_gguf["F32"], stories_gguf["Q8_0"]
     result = runner.invoke(app, ["ir", str(quantized)])
     assert result.exit_code == 0, result.output
-    assert 'format="q8g32", prequantized="GGUF Q8_0"' in result.stdout
+    assert re.search(r': q8g32\[[\d,]+\] \{source="f32", .*prequantized="GGUF Q8_0"', result.stdout)
 
     def generate(model: Path) -> list[int]:
         result = runner.invoke(app, ["generate", str(model), "Once upon a time", "-n", "16", "--json"])

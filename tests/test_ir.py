@@ -249,3 +249,22 @@ def test_import_memory_does_not_grow_with_checkpoint(tmp_path: Path) -> None:
     import_growth, read_growth = map(int, result.stdout.split())
     assert import_growth < 20e6, f"importing a {size / 1e6:.0f} MB checkpoint grew peak RSS by {import_growth / 1e6:.0f} MB"
     assert read_growth > 100e6, "the control read did not show in RSS: the measurement is blind"
+
+
+def test_a_weight_prints_its_storage_format_as_its_type() -> None:
+    """A 4-bit weight reads q4g32m[...] (its storage), its source element type as ``source``; the text
+    parses back to the same graph."""
+    g = parse(textwrap.dedent("""\
+        graph @m(%tokens: i32[T], %positions: i32[T]) {
+          weight @emb : f32[16,8] {inline=true}
+          weight @w : q4g32m[16,32] {source="f32", inline=true, prequantized="GGUF Q4_1"}
+          %h = embedding(%tokens, @emb) : f32[T,8]
+          return %h
+        }
+        """), arrays={"emb": np.zeros((16, 8), np.float32), "w": np.zeros((16, 32), np.float32)})
+    w = g.weights["w"]
+    assert w.type == TensorType("f32", (16, 32)) and w.format == "q4g32m"
+    text = print_graph(g)
+    assert 'weight @w : q4g32m[16,32] {source="f32", inline=true, prequantized="GGUF Q4_1"}' in text
+    assert "format=" not in text
+    assert print_graph(parse(text, arrays={"emb": g.weights["emb"].array, "w": w.array})) == text

@@ -20,7 +20,7 @@ def test_after_all_prints_every_pass_then_the_lowered_calls(stories_dir):
     stages = re.findall(r"^# after (\S+)$", result.stdout, re.M)
     assert stages == ["import", "fht-kv", "kv-format", "cast-weights", "quantize", "fuse-linears", "lower"]
     quantized = result.stdout.split("# after quantize\n")[1].split("# after fuse-linears")[0]
-    assert 'format="q4g32"' in quantized
+    assert ': q4g32[' in quantized
     lowered = result.stdout.split("# after lower\n")[1]
     assert lowered.startswith("# lowered for avx512:")
     assert re.search(r"ife_linear_q4_q4g32_\w+_avx512\(pool, .*\(const uint8_t \*\)\(weights \+ \d+\)", lowered)
@@ -30,7 +30,7 @@ def test_after_all_prints_every_pass_then_the_lowered_calls(stories_dir):
 def test_after_one_pass_or_lower(stories_dir):
     quantize = run(str(stories_dir), "--quant", "int8", "--after", "quantize")
     assert quantize.exit_code == 0, quantize.output
-    assert "# after" not in quantize.stdout and 'format="q8r"' in quantize.stdout
+    assert "# after" not in quantize.stdout and ': q8r[' in quantize.stdout
     lower = run(str(stories_dir), "--after", "lower", "--target", "scalar")
     assert lower.exit_code == 0 and lower.stdout.startswith("# lowered for scalar:")
 
@@ -47,3 +47,13 @@ def test_an_artifact_prints_its_final_ir(stories_dir, tmp_path):
     compile_model(stories_dir, out, CompileOptions(target="scalar", quant="int8"))
     result = run(str(out))
     assert result.exit_code == 0 and result.stdout == (out / "ir.txt").read_text()
+
+
+def test_after_all_prints_meta_once_and_4bit_weights_as_such(stories_dir):
+    result = run(str(stories_dir), "--quant", "int4", "--after", "all")
+    assert result.exit_code == 0, result.output
+    assert len(re.findall(r"^  meta \{", result.stdout, re.M)) == 1
+    assert result.stdout.count("  # meta as after import") == result.stdout.count("# after ") - 2   # - import, lower
+    quantized = result.stdout.split("# after quantize\n")[1].split("# after fuse-linears")[0]
+    assert re.search(r'weight @model\.layers\.0\.self_attn\.q_proj\.weight : q4g32\[64,64\] \{source="f32"', quantized)
+    assert "format=" not in quantized

@@ -92,11 +92,11 @@ def mlp_logits(graph: Graph, adapter: LoraAdapter | None = None) -> np.ndarray:
 def test_cast_weights_sets_the_storage_format_of_matrices_only() -> None:
     after = run(mlp_graph(), "cast-weights(f16)")
     assert_ir(print_graph(after), """
-    CHECK: weight @emb : f32[32,16] {inline=true, format="f16"}
+    CHECK: weight @emb : f16[32,16] {source="f32", inline=true}
     CHECK: weight @norm : f32[16] {inline=true}
-    CHECK: weight @l0.q_proj.weight : f32[16,16] {inline=true, format="f16"}
+    CHECK: weight @l0.q_proj.weight : f16[16,16] {source="f32", inline=true}
     CHECK: %q = linear(%n, @l0.q_proj.weight) : f32[T,16]
-    CHECK-NOT: @norm : f32[16] {inline=true, format=
+    CHECK-NOT: @norm : f16
     """)
     assert 0 < rel_change(mlp_logits(mlp_graph()), mlp_logits(after)) <= PASSES["cast-weights"]("f16").tolerance
     with pytest.raises(InfengError, match="cast-weights: dtype must be one of f32, f16, bf16"):

@@ -87,12 +87,12 @@ def rel_change(a: np.ndarray, b: np.ndarray) -> float:
 def test_int4_formats_and_activation_quantization_in_the_ir() -> None:
     g = run(small_graph(), "quantize(int4)")
     assert_checks(print_graph(g), """
-      CHECK: weight @emb : f32[32,64] {inline=true, format="q8r"}
+      CHECK: weight @emb : q8r[32,64] {source="f32", inline=true}
       CHECK: weight @norm : f32[64] {inline=true}
-      CHECK: weight @gate : f32[96,64] {inline=true, format="q4g32"}
-      CHECK: weight @up : f32[96,64] {inline=true, format="q4g32"}
-      CHECK: weight @down : f32[40,96] {inline=true, format="q4g32"}
-      CHECK: weight @proj : f32[64,40] {inline=true, format="q8r", fallback_from="q4g32"}
+      CHECK: weight @gate : q4g32[96,64] {source="f32", inline=true}
+      CHECK: weight @up : q4g32[96,64] {source="f32", inline=true}
+      CHECK: weight @down : q4g32[40,96] {source="f32", inline=true}
+      CHECK: weight @proj : q8r[64,40] {source="f32", inline=true, fallback_from="q4g32"}
       CHECK: %n.q8 = quantize_act(%n) : f32[T,64] {bits=8, block=32}
       CHECK: %gate = linear(%n.q8, @gate) : f32[T,96]
       CHECK: %up = linear(%n.q8, @up) : f32[T,96]
@@ -111,16 +111,16 @@ def test_int4_formats_and_activation_quantization_in_the_ir() -> None:
 def test_fp8_keeps_float_activations_and_pad_policy(tmp_path: Path) -> None:
     g = run(small_graph(), "quantize(fp8)")
     text = print_graph(g)
-    assert "quantize_act" not in text and text.count('format="f8e4m3"') == 5
+    assert "quantize_act" not in text and text.count(': f8e4m3[') == 5
     policy = tmp_path / "pad.json"
     policy.write_text(json.dumps({"preset": "int4", "group": 64, "fallback": "pad",
                                   "tensors": {"gate": "f16", "up": "q8g32"}}))
     g = run(small_graph(), f"quantize(policy={policy})")
     assert_checks(print_graph(g), """
-      CHECK: weight @gate : f32[96,64] {inline=true, format="f16"}
-      CHECK: weight @up : f32[96,64] {inline=true, format="q8g32"}
-      CHECK: weight @down : f32[40,96] {inline=true, format="q4g64"}
-      CHECK: weight @proj : f32[64,40] {inline=true, format="q4g64"}
+      CHECK: weight @gate : f16[96,64] {source="f32", inline=true}
+      CHECK: weight @up : q8g32[96,64] {source="f32", inline=true}
+      CHECK: weight @down : q4g64[40,96] {source="f32", inline=true}
+      CHECK: weight @proj : q4g64[64,40] {source="f32", inline=true}
       CHECK: %gate = linear(%n, @gate)
       CHECK: %up = linear(%n.q16, @up)
     """)

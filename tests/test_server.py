@@ -51,7 +51,8 @@ def reference(artifact, adapter_dirs):
 
 
 def infeng_run(artifact, prompt: str, *args: str) -> dict:
-    out = subprocess.run([*infeng_command(), "run", str(artifact), prompt, "--json", "--threads", "1", *args],
+    """``infeng run --raw``: the plain continuation /v1/completions computes (the artifact has a chat template)."""
+    out = subprocess.run([*infeng_command(), "run", str(artifact), prompt, "--raw", "--json", "--threads", "1", *args],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)

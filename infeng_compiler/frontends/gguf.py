@@ -242,7 +242,10 @@ class GGUFFile:
         except (ModelFormatError, UnsupportedError):
             raise
         except (ValueError, IndexError, OverflowError, UnicodeDecodeError, KeyError, OSError) as e:
-            what = "not a GGUF file (bad magic)" if "magic" in str(e) else f"truncated or malformed GGUF file ({e})"
+            # the gguf package's own words (numpy's reshape and index errors) would not help: say where
+            what = "not a GGUF file (bad magic)" if "magic" in str(e) else (
+                f"truncated or malformed GGUF header: its metadata and tensor table do not parse "
+                f"(the file has {path.stat().st_size:,} bytes)")
             raise ModelFormatError(f"{path}: {what}") from None
         self._values: dict[str, Any] = {}
         self.arch = self.get("general.architecture")

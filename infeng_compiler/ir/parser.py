@@ -85,8 +85,13 @@ def _parse_weight(g: Graph, ln: str, where: str, arrays: dict[str, np.ndarray]) 
     if not m:
         raise IRError(f"{where}: bad weight declaration {ln!r}")
     attrs = parse_attrs(m.group(3), where) if m.group(3) else {}
-    name = m.group(1)
-    w = Weight(name, parse_type(m.group(2)), file=attrs.pop("file", None), offset=attrs.pop("offset", 0),
+    name, type_text = m.group(1), m.group(2)
+    source = attrs.pop("source", None)
+    if source is not None:                  # q4g32m[576,576] {source="f32"}: stored as q4g32m
+        storage, bracket, dims = type_text.partition("[")
+        type_text = f"{source}{bracket}{dims}"
+        attrs["format"] = storage
+    w = Weight(name, parse_type(type_text), file=attrs.pop("file", None), offset=attrs.pop("offset", 0),
                transposed=attrs.pop("transposed", False))
     if attrs.pop("inline", False) or name in arrays:
         w.array = arrays.get(name)

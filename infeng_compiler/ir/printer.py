@@ -3,6 +3,7 @@
     graph @name(%tokens: i32[T], %positions: i32[T]) {
       meta {"family": "llama", ...}
       weight @model.norm.weight : f32[64] {file="/path/model.safetensors", offset=4096}
+      weight @model.layers.0.mlp.up_proj.weight : q4g32m[256,64] {source="f32", inline=true}
       %h = embedding(%tokens, @model.embed_tokens.weight) : f32[T,64]
       %q, %k, %v = split(%qkv) : f32[T,64], f32[T,32], f32[T,32] {sizes=[64, 32, 32]}
       return %logits
@@ -23,7 +24,17 @@ def format_attrs(attrs: dict[str, Any]) -> str:
 
 
 def format_weight(w: Weight) -> str:
+    """``weight @name : TYPE {...}``. TYPE names the storage: a weight a pass stores in another format
+    than its source element type (``format``, e.g. 4-bit q4g32m) prints that format with its shape,
+    and its source element type as ``source``: ``q4g32m[576,576] {source="f32", ...}``."""
+    attrs = dict(w.attrs)
+    storage = attrs.get("format")
+    type_text = str(w.type)
     source: dict[str, Any] = {}
+    if storage is not None and storage != w.type.dtype:
+        del attrs["format"]
+        type_text = f"{storage}[{','.join(str(d) for d in w.type.shape)}]"
+        source["source"] = w.type.dtype
     if w.file is not None:
         source["file"] = w.file
         source["offset"] = w.offset
@@ -31,9 +42,9 @@ def format_weight(w: Weight) -> str:
         source["inline"] = True
     if w.transposed:
         source["transposed"] = True
-    source.update(w.attrs)
+    source.update(attrs)
     tail = f" {format_attrs(source)}" if source else ""
-    return f"weight @{w.name} : {w.type}{tail}"
+    return f"weight @{w.name} : {type_text}{tail}"
 
 
 def format_node(n: Node) -> str:
@@ -44,11 +55,13 @@ def format_node(n: Node) -> str:
     return f"{outs} = {n.op}({operands}) : {types}" + (f" {attrs}" if attrs else "")
 
 
-def print_graph(g: Graph, weights: bool = True) -> str:
+def print_graph(g: Graph, weights: bool = True, meta_note: str | None = None) -> str:
+    """The text form; ``meta_note``, when given, replaces the ``meta`` line by a comment saying
+    where it was printed (``infeng ir --after all`` prints a long meta once)."""
     ins = ", ".join(f"%{v.name}: {v.type}" for v in g.inputs)
     lines = [f"graph @{g.name}({ins}) {{"]
     if g.meta:
-        lines.append(f"  meta {json.dumps(g.meta)}")
+        lines.append(f"  # meta {meta_note}" if meta_note else f"  meta {json.dumps(g.meta)}")
     if weights:
         lines += [f"  {format_weight(w)}" for w in g.weights.values()]
     lines += [f"  {format_node(n)}" for n in g.nodes]

@@ -1,0 +1,59 @@
+"""``infeng --help`` reads well: no type on flags, a version, defaults that agree with the text,
+descriptions that flow at the terminal's width rather than the source's line breaks."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from infeng_compiler.cli import app
+
+COMMANDS = sorted(typer.main.get_command(app).commands)
+
+
+def help_of(*args: str) -> str:
+    result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+@pytest.mark.parametrize("command", [[]] + [[c] for c in COMMANDS])
+def test_flags_show_no_type(command: list[str]) -> None:
+    assert "<bool>" not in help_of(*command)
+
+
+def test_version() -> None:
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout == f"infeng {version('infeng')}\n"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_default_in_the_text_contradicts_the_shown_one(command: str) -> None:
+    """An option whose help names its default shows no other ``[default: ...]``."""
+    for param in typer.main.get_command(app).commands[command].params:
+        text = getattr(param, "help", None) or ""
+        if "default" in text:
+            assert param.default is None or param.default is False or not param.show_default, (command, param.name)
+
+
+def test_descriptions_flow_at_words() -> None:
+    """No description line ends early because its docstring was wrapped in the source: in the
+    commands panel (100 columns), every line of a description but its last is nearly full."""
+    panel = help_of().split("Commands")[1]
+    groups: list[list[str]] = []
+    for line in panel.splitlines():
+        m = re.match(r"│ (\S*)\s+(.*?)\s*│$", line)
+        if not m:
+            continue
+        if m.group(1):
+            groups.append([])
+        groups[-1].append(m.group(2))
+    assert len(groups) == len(COMMANDS)
+    for lines in groups:
+        assert all(len(line) >= 70 for line in lines[:-1]), lines
+    assert "A model that is not an artifact is compiled first" in " ".join(help_of("serve").split())
+    assert "Hub id org/name[@rev]" in " ".join(help_of("compile").split())     # brackets are not markup

@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from _serving import infeng_command, served_artifact, write_adapter
-from infeng_common.errors import InfengError, ModelFormatError
+from infeng_common.errors import ModelFormatError
 from infeng_runtime.adapters import AdapterError
 from infeng_runtime.engine import Engine
 

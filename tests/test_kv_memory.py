@@ -117,6 +117,7 @@ def test_an_exhausted_pool_refuses_or_preempts(artifact):
     tight = LLM(artifact, threads=1, max_seqs=4, kv_blocks=6)      # 96 tokens for four sequences of ~30
     assert [c.text for c in tight.generate(prompts, params)] == expected
     assert tight.loop.scheduler.stats.preemptions > 0
+    assert tight.loop.snapshot()["kv_bytes_committed"] == 6 * tight.engine.kv_block_bytes   # the cap, reached
     with pytest.raises(RequestError, match="context is 96 tokens"):
         tight.generate(["word " * 100], params)
     tight.close()

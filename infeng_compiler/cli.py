@@ -556,7 +556,9 @@ SPECULATIVE = typer.Option(None, "--speculative",
 
 #: Options `serve` and `serve-ray` share (each replica of serve-ray takes them as `serve` does).
 PORT = typer.Option(8000, "--port")
-MAX_CONTEXT = typer.Option(None, "--max-context", help="tokens per sequence (default: the model's)")
+MAX_CONTEXT = typer.Option(None, "--max-context",
+                           help="tokens per sequence; with --max-seqs it fixes the KV pool (default: the model's, "
+                                "cut to what the default pool holds)")
 SERVED_MODEL_NAME = typer.Option(None, "--served-model-name", help="the base model's id in the API")
 MAX_REQUEST_BYTES = typer.Option("4MiB", "--max-request-bytes", help="largest request body (413 beyond it)")
 NO_PREFIX_CACHE = typer.Option(False, "--no-prefix-cache", help="never share KV blocks")
@@ -709,8 +711,9 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
                   max_seqs: int = typer.Option(16, "--max-seqs", help="sequences batched together (KV slots)"),
                   max_context: Optional[int] = MAX_CONTEXT,
                   kv_memory: Optional[str] = typer.Option(None, "--kv-memory",
-                                                          help="KV pool size, e.g. 512MiB (default: max-seqs x "
-                                                               "max-context)"),
+                                                          help="KV pool size, e.g. 512MiB, committed as it is used "
+                                                               "(default: max-seqs x max-context, at most half the "
+                                                               "memory available)"),
                   max_queue: int = typer.Option(256, "--max-queue",
                                                 help="waiting sequences before requests get 429"),
                   max_batched_tokens: Optional[int] = typer.Option(None, "--max-batched-tokens",

@@ -2,6 +2,8 @@
 the ``infeng.h`` shipped in the artifact; the GIL is released during each call)."""
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -17,6 +19,12 @@ from .tokenizer import Tokenizer
 
 ABI_VERSION = 1
 _SMALL_STEP = 64    # steps of at most this many tokens take the pure-Python bookkeeping path
+#: Sequences a KV pool is sized for when the caller does not say.
+DEFAULT_MAX_SEQS = 16
+#: Share of the memory available at load (MemAvailable less the weights) that a KV pool of default
+#: size may reach: a bigger default pool is cut to it (docs/serving.md).
+KV_MEMORY_SHARE = 0.5
+_log = logging.getLogger("infeng.engine")
 
 
 class CPUFeatureError(InfengError):
@@ -46,10 +54,23 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 or n == 0 else f"{n / 2**10:.0f} KiB"
+
+
+@dataclass(frozen=True)
+class KVPoolSize:
+    """How many KV blocks the pool holds and why: ``sized_by`` names what fixed it."""
+
+    n_blocks: int
+    max_context: int
+    sized_by: str
+
+
 class Engine:
     """One loaded model: ``step`` runs a batch of tokens, ``free`` releases a sequence's KV blocks."""
 
-    def __init__(self, path: str | Path, *, threads: int = 0, max_seqs: int = 16, max_context: int | None = None,
+    def __init__(self, path: str | Path, *, threads: int = 0, max_seqs: int = DEFAULT_MAX_SEQS, max_context: int | None = None,
                  kv_blocks: int | None = None, kv_memory: int | None = None):
         if max_seqs < 1:
             raise InfengError(f"max_seqs must be >= 1, got {max_seqs}")
@@ -80,13 +101,18 @@ class Engine:
         model_context = meta.get("max_position_embeddings")
         self.max_context = int(max_context or (model_context if isinstance(model_context, int) and
                                                model_context > 0 else 2048))
-        n_blocks = self._pool_blocks(max_seqs, max_context, kv_blocks, kv_memory)
-        self.kv = BlockAllocator(n_blocks, self.block_size, max_seqs, self.max_context)
+        self.kv_block_bytes = int(self.lib.ife_kv_block_bytes())
+        pool = self._pool_size(max_seqs, max_context, kv_blocks, kv_memory)
+        self.max_context, self.kv_sized_by = pool.max_context, pool.sized_by
+        self.kv = BlockAllocator(pool.n_blocks, self.block_size, max_seqs, self.max_context)
         err = self.ffi.new("char[]", 512)
-        handle = self.lib.ife_create(str((self.path / WEIGHTS).resolve()).encode(), n_blocks, threads, err, 512)
+        handle = self.lib.ife_create(str((self.path / WEIGHTS).resolve()).encode(), pool.n_blocks, threads, err, 512)
         if handle == self.ffi.NULL:
             raise InfengError(f"{self.path}: cannot create the model: {self.ffi.string(err).decode()}")
         self._handle = self.ffi.gc(handle, self.lib.ife_destroy)
+        # libraries compiled before ife_kv_on_demand commit the whole pool in ife_create
+        on_demand = getattr(self.lib, "ife_kv_on_demand", None)
+        self.kv_on_demand = on_demand is not None and on_demand() == 1
         self.threads = int(self.lib.ife_threads(self._handle))
         # a freed slot's per-slot library state (the f16 window ring) is forgotten; libraries built
         # before ife_slot_free existed restart the ring at any step that does not continue it
@@ -105,35 +131,72 @@ class Engine:
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise ArtifactError(f"{self.path / 'manifest.json'}: a malformed value ({type(e).__name__}: "
                                 f"{str(e)[:200]}); recompile the model") from None
+        _log.info(self.kv_summary())
 
-    def _pool_blocks(self, max_seqs: int, max_context: int | None, kv_blocks: int | None,
-                     kv_memory: int | None) -> int:
-        """Blocks of the KV pool, checked against the memory the kernel says is available before
-        anything is allocated. A ``max_context`` asked for must fit in the pool; the model's own
-        (``max_position_embeddings``) is cut to what the pool holds."""
-        block_bytes = int(self.lib.ife_kv_block_bytes())
+    def _pool_size(self, max_seqs: int, max_context: int | None, kv_blocks: int | None,
+                   kv_memory: int | None) -> KVPoolSize:
+        """The KV pool's blocks and the context it serves, decided before anything is allocated.
+
+        ``kv_blocks``/``kv_memory`` fix the pool; else it holds ``max_seqs`` sequences of the
+        context. An asked ``max_context`` (with ``max_seqs``) fixes it exactly and must fit in
+        the memory available; the model's own context (``max_position_embeddings``) gives a
+        default pool that is cut to ``KV_MEMORY_SHARE`` of the memory available after the
+        weights (the sequences then share it; a context longer than the pool holds is cut to it).
+        Memory is committed as blocks are used (``ife_kv_on_demand``), so the size is a cap."""
+        block_bytes = self.kv_block_bytes
+        per_sequence = -(-self.max_context // self.block_size)
+        available = available_memory()
         if kv_blocks is None and kv_memory is not None:
             kv_blocks = int(kv_memory) // block_bytes
             if kv_blocks < 1:
                 raise InfengError(f"KV memory {kv_memory} bytes holds no block (one block takes {block_bytes} bytes)")
-        n_blocks = kv_blocks or max_seqs * -(-self.max_context // self.block_size)
+        if kv_blocks:
+            n_blocks = kv_blocks
+            sized_by = f"--kv-memory {_mib(kv_memory)}" if kv_memory is not None else f"{kv_blocks} blocks asked"
+        elif max_context is not None:
+            n_blocks, sized_by = max_seqs * per_sequence, f"{max_seqs} sequences x --max-context {max_context}"
+        else:
+            n_blocks = max_seqs * per_sequence
+            sized_by = f"{max_seqs} sequences x the model's {self.max_context}-token context"
+            if available is not None:
+                weights = int(self.lib.ife_weights_bytes())
+                budget = int(KV_MEMORY_SHARE * max(0, available - weights)) // (block_bytes + 8)
+                if budget < n_blocks:
+                    n_blocks = max(1, budget)
+                    sized_by = (f"{KV_MEMORY_SHARE:.0%} of the {_gib(available)} available less "
+                                f"{_mib(weights)} of weights")
+        context = self.max_context
         capacity = n_blocks * self.block_size
-        if self.max_context > capacity:
+        if context > capacity:
             if max_context is not None:
                 raise InfengError(f"max context {max_context} tokens does not fit in the KV pool ({n_blocks} blocks "
                                   f"of {self.block_size} tokens, {_gib(n_blocks * block_bytes)}); lower --max-context "
                                   f"or give more --kv-memory")
-            self.max_context = capacity
+            context = capacity
         # the pool, its reference counts (8 bytes a block), the block table and per-sequence
         # bookkeeping (~100 bytes a sequence)
-        need = n_blocks * (block_bytes + 8) + max_seqs * (4 * -(-self.max_context // self.block_size) + 100)
-        available = available_memory()
+        need = n_blocks * (block_bytes + 8) + max_seqs * (4 * -(-context // self.block_size) + 100)
         if available is not None and need > available:
             asked = f"{kv_memory} bytes of KV memory" if kv_memory is not None else \
-                f"a KV pool for {max_seqs} sequences of {self.max_context} tokens"
+                f"a KV pool for {max_seqs} sequences of {context} tokens"
             raise InfengError(f"{asked} takes {_gib(need)}, more than the {_gib(available)} of memory available; "
                               f"lower --max-context or --max-seqs, or give a smaller --kv-memory")
-        return n_blocks
+        return KVPoolSize(n_blocks, context, sized_by)
+
+    @property
+    def kv_committed_bytes(self) -> int:
+        """KV memory in use: the blocks handed out so far (the allocator hands out the lowest ids
+        first and reuses freed ones), or the whole pool for a library that commits it at create."""
+        blocks = self.kv.fresh if self.kv_on_demand else self.kv.n_blocks
+        return blocks * self.kv_block_bytes
+
+    def kv_summary(self) -> str:
+        """The line ``infeng serve`` logs at start: the pool, what is committed, and what sized it."""
+        kv = self.kv
+        growth = "committed as blocks are used" if self.kv_on_demand else "committed at load"
+        return (f"KV cache: {kv.n_blocks} blocks of {self.block_size} tokens ({_mib(self.kv_block_bytes)} each), "
+                f"{_mib(self.kv_committed_bytes)} committed / up to {_mib(kv.n_blocks * self.kv_block_bytes)} "
+                f"({growth}), max context {self.max_context}, max sequences {kv.max_seqs}; sized by {self.kv_sized_by}")
 
     @classmethod
     def load(cls, path: str | Path, **kwargs) -> "Engine":

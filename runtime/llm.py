@@ -25,7 +25,7 @@ from typing import Sequence as Seq
 from infeng_common.errors import InfengError
 
 from .detokenize import ChoiceText
-from .engine import Engine
+from .engine import DEFAULT_MAX_SEQS, Engine
 from .loop import EngineLoop
 from .sampling import SamplingParams
 from .scheduler import Request, SeqOutput
@@ -73,12 +73,15 @@ class _Choice:
 class LLM:
     """An Engine plus an EngineLoop driven synchronously."""
 
-    def __init__(self, artifact: str | Path, *, threads: int = 0, max_seqs: int = 16, max_context: int | None = None,
+    def __init__(self, artifact: str | Path, *, threads: int = 0, max_seqs: int = DEFAULT_MAX_SEQS,
+                 max_context: int | None = None,
                  kv_blocks: int | None = None, kv_memory: int | None = None, max_batched_tokens: int | None = None,
                  prefix_cache: bool = True, adapters: dict[str, str | Path] | None = None,
                  speculative: str | SpeculativeConfig | None = None):
-        """``speculative``: ``"ngram"``, ``"draft:ARTIFACT"`` (``[:K]``, the most drafted tokens per
-        step) or a ``SpeculativeConfig``; None decodes one token per step (docs/speculative.md)."""
+        """``max_seqs``, ``max_context``, ``kv_blocks``, ``kv_memory``: the KV pool, as ``Engine``
+        sizes it (docs/serving.md, *KV memory*). ``speculative``: ``"ngram"``, ``"draft:ARTIFACT"``
+        (``[:K]``, the most drafted tokens per step) or a ``SpeculativeConfig``; None decodes one
+        token per step (docs/speculative.md)."""
         self.engine = Engine(artifact, threads=threads, max_seqs=max_seqs, max_context=max_context,
                              kv_blocks=kv_blocks, kv_memory=kv_memory)
         if self.engine.tokenizer is None:

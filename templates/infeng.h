@@ -26,9 +26,14 @@ int ife_block_size(void);      /* tokens per KV block */
 int ife_vocab_size(void);
 int64_t ife_weights_bytes(void);
 int64_t ife_kv_block_bytes(void); /* bytes one KV block takes over all layers */
+/* 1: ife_create reserves the KV pool's address space and memory is committed page by page as KV
+ * rows are first written (a block id not handed out costs nothing). Libraries without it (compiled
+ * before) commit the whole pool in ife_create. */
+int ife_kv_on_demand(void);
 
-/* Maps weights_path (weights.bin) read-only and allocates n_kv_blocks KV blocks and an activation
- * arena. n_threads <= 0 means one per physical core. On failure returns NULL and writes why to err. */
+/* Maps weights_path (weights.bin) read-only, reserves n_kv_blocks KV blocks and allocates an
+ * activation arena. n_threads <= 0 means one per physical core. On failure returns NULL and writes
+ * why to err. */
 ife_model *ife_create(const char *weights_path, int n_kv_blocks, int n_threads, char *err, int err_len);
 
 /* One forward step over n_tokens rows from any number of sequences.

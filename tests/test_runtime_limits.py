@@ -1,7 +1,7 @@
 """What a user can ask of the runtime at load time is bounded before anything is allocated: a
 context or sequence count whose KV pool cannot fit in memory is one line and exit code 2; the
-model's own ``max_position_embeddings`` is checked the same way. Adapters with non-finite weights
-or scales are refused at load, naming the tensor."""
+model's own ``max_position_embeddings`` is cut to what the default pool holds (tests/test_kv_memory.py).
+Adapters with non-finite weights or scales are refused at load, naming the tensor."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from _serving import infeng_command, served_artifact, write_adapter
-from infeng_common.errors import InfengError, ModelFormatError
+from infeng_common.errors import ModelFormatError
 from infeng_runtime.adapters import AdapterError
 from infeng_runtime.engine import Engine
 
@@ -38,14 +38,14 @@ def test_serve_refuses_a_pool_that_cannot_fit(artifact, args, mentions):
     assert time.monotonic() - started < 30
 
 
-def test_model_context_is_checked_like_an_asked_one(artifact, tmp_path):
+def test_model_context_is_cut_to_the_pool_not_refused(artifact, tmp_path):
     copy = tmp_path / "huge-context.infeng"
     shutil.copytree(artifact, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["meta"]["max_position_embeddings"] = 10 ** 12
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(InfengError, match="memory available"):
-        Engine(copy, threads=1)
+    engine = Engine(copy, threads=1, max_seqs=2)           # the default pool: a share of the memory available
+    assert engine.max_context == engine.kv.n_blocks * engine.block_size < 10 ** 12
     engine = Engine(copy, threads=1, max_seqs=2, kv_memory=1 << 20)   # a pool given: the context fits it
     assert engine.max_context == engine.kv.n_blocks * engine.block_size
 

@@ -511,7 +511,10 @@ def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir
     table.add_row("total", f"{summary.seconds:.2f} s")
     err.print(table, soft_wrap=False)
     if summary.quant:
-        err.print(quant_table(summary.quant), soft_wrap=False)
+        table, notes = quant_table(summary.quant)
+        err.print(table, soft_wrap=False)
+        for note in notes:                      # lines of their own: a table caption would break them
+            err.print(f"  {note}", highlight=False)
     err.print(f"compiled {output}", highlight=False)
 
 
@@ -527,7 +530,8 @@ def _matrix_formats(artifact: Path) -> str:
 
 
 def quant_table(report):
-    """Formats and bytes of a ``quantize`` pass: one row per format, then the total."""
+    """Formats and bytes of a ``quantize`` pass: one row per format, then the total; and notes
+    (fallback formats, padding, calibration), at most 8 lines and a count."""
     from rich.table import Table
 
     table = Table(title=f"weights by format ({report.scheme})")
@@ -544,9 +548,7 @@ def quant_table(report):
               if t.padded and t.padded[1] != t.shape[1] and not t.fallback_from]
     if report.calib_tokens:
         notes.append(f"calibrated on {report.calib_tokens:,} tokens; AWQ scales folded at {len(report.awq)} sites")
-    if notes:
-        table.caption = "\n".join(notes[:8] + ([f"... and {len(notes) - 8} more"] if len(notes) > 8 else []))
-    return table
+    return table, notes[:8] + ([f"... and {len(notes) - 8} more"] if len(notes) > 8 else [])
 
 
 SPECULATIVE = typer.Option(None, "--speculative",

@@ -16,6 +16,8 @@ import json
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _serving import served_artifact
 from infeng_runtime.json_body import MAX_DEPTH, JSONRejected, loads, parse_json
@@ -66,6 +68,45 @@ def test_nesting_bounded_for_bytes_and_text(text):
 def test_numbers_must_be_finite(text):
     with pytest.raises(JSONRejected, match="finite|out of range"):
         loads(text)
+
+
+FUZZ = settings(max_examples=300, deadline=None, derandomize=True)
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False,
+                                                                                        allow_infinity=False),
+                                     st.text()),
+                           lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                   st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                           max_leaves=12)
+
+
+@FUZZ
+@given(value=json_values, ascii_only=st.booleans())
+def test_every_finite_json_value_round_trips(value, ascii_only):
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    assert loads(text) == value and loads(text.encode()) == value
+    with pytest.raises(JSONRejected):
+        loads(text.encode("utf-16"))
+
+
+@FUZZ
+@given(raw=st.binary(max_size=64) | st.text(max_size=64).map(str.encode))
+def test_any_bytes_parse_or_are_rejected(raw):
+    try:
+        loads(raw)
+    except JSONRejected:
+        pass
+
+
+@FUZZ
+@given(text=st.text(alphabet=st.sampled_from(list('{}[]":,;<>|_ nameargumtsp0NaN\\')) | st.characters(),
+                    max_size=80))
+def test_tool_call_parsing_never_raises(text):
+    for candidate in (text, f"<tool_call>{text}</tool_call>", f'{{"name": "f", "arguments": {text}}}'):
+        parse_tool_calls(candidate)
+        stream = ToolStream()
+        stream.push(candidate)
+        stream.finish()
+        parse_forced(candidate, None)
 
 
 # -- tool calls in generated text ---------------------------------------------------------------

@@ -11,11 +11,11 @@ a 4xx with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}
 Work per request is bounded before it starts: strict UTF-8 JSON of bounded depth (json_body.py,
 also for schemas sent as text and tool calls in the output), at most ``MAX_STOP_STRINGS`` stop
 strings and ``MAX_TOOLS`` tools, no more sequences than the queue can ever hold, no prompt (its
-tools' JSON counted in) with more characters than the context could hold as tokens. Chat templates and tokenizers run on a
-small thread pool under a time budget, never on the event loop thread, which only routes,
-detokenizes and writes streams. Outputs come back once per step through one sink (a pipe the
-event loop watches) and are routed to per-request queues. A client that goes away has its request
-aborted.
+tools' JSON counted in) with more characters than the context could hold as tokens. Chat
+templates and tokenizers run on a small thread pool under a time budget, never on the event loop
+thread, which only routes, detokenizes and writes streams. Outputs come back once per step
+through one sink (a pipe the event loop watches) and are routed to per-request queues. A client
+that goes away has its request aborted.
 
 Life cycle: SIGTERM or SIGINT stops admission (503), lets running requests finish for
 ``--shutdown-timeout`` seconds, ends the rest (streams with an error event and ``[DONE]``, others

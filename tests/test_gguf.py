@@ -597,7 +597,8 @@ def _byte_level_vocab(**edits) -> dict:
     ({"tokens": list(range(64))}, ["tokenizer.ggml.tokens[0] is 0; the array holds strings"]),
     ({"types": [1] * 3}, ["tokenizer.ggml.token_type has 3 entries for 64 tokens"]),
     ({"pre": "llama3", "merges": [1, 2]}, ["tokenizer.ggml.merges[0] is 1"]),
-], ids=["good", "merge-result-missing", "merge-unknown-token", "tokens-not-strings", "types-short", "merges-not-strings"])
+], ids=["good", "merge-result-missing", "merge-unknown-token", "tokens-not-strings", "types-short",
+        "merges-not-strings"])
 def test_malformed_tokenizer_arrays_are_one_line(hf_checkpoint, tmp_path: Path, edits, needles) -> None:
     path = gguf_from_hf(hf_checkpoint("llama"), tmp_path / "vocab.gguf", vocab=_byte_level_vocab(**edits))
     result = CliRunner().invoke(app, ["compile", str(path), "-o", str(tmp_path / "out.infeng"), "--target", "scalar"])

@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _serving import served_artifact
-from infeng_runtime.json_body import MAX_DEPTH, JSONRejected, loads, parse_json
 from infeng_runtime.api_errors import APIError
+from infeng_runtime.json_body import MAX_DEPTH, JSONRejected, loads, parse_json
 from infeng_runtime.tools import ToolStream, arguments_object, parse_forced, parse_tool_calls
 
 MODEL = "stories260K"

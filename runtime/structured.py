@@ -197,13 +197,13 @@ class GrammarCompiler:
 #: each other's, nor a slow grammar's masks in front of everyone's. They run at a lower priority
 #: than the engine loop (``MASK_NICE``), so mask work never slows the forward calls of others.
 MASK_WORKERS = 4
-MASK_NICE = 10
+MASK_NICE = 19
 #: How long a step waits for masks not ready when its forward call ends: this share of the forward
 #: call's time, at least MASK_WAIT_FLOOR seconds; a sequence whose mask is later is skipped for the
 #: step (its last position runs again next step). When every sampled row waits for a mask (nobody
 #: else to serve), up to MASK_IDLE_WAIT.
 MASK_WAIT_SHARE = 0.25
-MASK_WAIT_FLOOR = 0.0005
+MASK_WAIT_FLOOR = 0.0
 MASK_IDLE_WAIT = 0.05
 _workers: ThreadPoolExecutor | None = None
 _workers_lock = threading.Lock()

@@ -285,15 +285,21 @@ class Constraint:
         return not self.ready(index) and now - self.queued[index] > self.mask_seconds
 
     def failure(self, index: int) -> str | None:
-        """Why choice ``index``'s matcher stopped (a parser limit hit), or None; its mask is ready."""
+        """Why choice ``index``'s matcher stopped (a parser limit hit, its job failed), or None; its
+        mask is ready."""
+        future = self.pending[index]
+        if future is not None and future.exception() is not None:
+            return f"the mask worker failed: {future.exception()}"[:300]
         m = self.matchers[index]
         return m.get_error()[:300] if m.is_error() else None
 
     def mask(self, index: int) -> np.ndarray:
-        """Choice ``index``'s disallowed tokens (the caller has seen ``ready``; re-raises a worker error)."""
+        """Choice ``index``'s disallowed tokens (the caller has seen ``ready``; after a failed job,
+        only EOS: ``failure`` says why)."""
         future, self.pending[index] = self.pending[index], None
-        if future is not None:
-            future.result()
+        if future is not None and future.exception() is not None:
+            self.disallowed[index] = True
+            self.disallowed[index, self.eos] = False
         return self.disallowed[index]
 
     def advance(self, index: int, tokens: list[int]) -> None:

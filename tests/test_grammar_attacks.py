@@ -139,6 +139,13 @@ def bystander_gap(url: str, during=None, max_tokens: int = 400) -> float:
     return statistics.median(out.values())
 
 
+#: Seconds between an attacker's requests. Each refused grammar costs the server about what any
+#: request of its size does (receiving and parsing the body on the event loop: 1.5 ms for 13 kB,
+#: 9 ms for 490 kB here); back to back from several threads that is a request flood, which slows
+#: every stream whatever the requests hold and is a rate limiter's business, not the grammar's.
+ATTACK_PACE_S = 0.05
+
+
 def attack(url: str, stop: threading.Event, results: list, refused_only: bool = False) -> None:
     """One attacker: an ambiguous-grammar stream (n=2) and grammars to refuse, again and again."""
     bodies = [completion(guided_grammar=chain(5000)), completion(guided_choice=[f"w{i}" for i in range(50_000)]),
@@ -150,8 +157,13 @@ def attack(url: str, stop: threading.Event, results: list, refused_only: bool = 
         while not stop.is_set():
             body = bodies[i % len(bodies)]
             i += 1
-            r = http.post(f"{url}/v1/completions", json=body)
+            try:
+                r = http.post(f"{url}/v1/completions", json=body)
+            except httpx.HTTPError as e:               # the server went away (SIGTERM)
+                results.append((None, repr(e)))
+                return
             results.append((r.status_code, r.text[-300:]))
+            stop.wait(ATTACK_PACE_S)
 
 
 @pytest.mark.slow
@@ -255,4 +267,5 @@ def test_sigterm_under_attack_ends_the_process_within_the_timeout(artifact, tmp_
         assert lines[-1] == "data: [DONE]"
         assert any(line.startswith('data: {"error"') and "shutting_down" in line for line in lines)
     for status, text in results:                       # never a plain-text 500
-        assert status != 500 or text.startswith("{"), text
+        assert status in (None, 200, 400, 503), text
+        assert status is None or text.endswith("}") or text.endswith("[DONE]\n\n"), text

@@ -8,8 +8,10 @@ end to end is tests/test_grammar_attacks.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -306,3 +308,58 @@ def test_exit_watchdog_ends_a_process_stuck_in_a_thread():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and time.monotonic() - t0 < 10
     assert "exiting now" in proc.stderr
+
+
+@pytest.mark.parametrize("slow", ["text", "grammar"])
+def test_a_greedy_client_holds_one_text_thread_and_one_compiler(artifact, monkeypatch, slow):
+    """A greedy client's slow prompts (or grammars) take one text thread (compiler) at a time: a
+    bystander's request, sent while four of them wait, is answered at once on the other."""
+    from starlette.testclient import TestClient
+
+    from infeng_runtime.server import ServeOptions, build_server
+
+    server = build_server(artifact, ServeOptions(threads=1, max_seqs=4))
+    encode, compile_grammar = server.tokenizer.encode_batch, server.grammars.grammar
+
+    def slow_encode(texts, *a):
+        if "greedy" in texts[0]:
+            time.sleep(1.0)
+        return encode(texts, *a)
+
+    def slow_grammar(spec):
+        if "greedy" in json.dumps(spec.value):
+            time.sleep(1.0)
+        return compile_grammar(spec)
+
+    if slow == "text":
+        monkeypatch.setattr(server.tokenizer, "encode_batch", slow_encode)
+    else:
+        monkeypatch.setattr(server.grammars, "grammar", slow_grammar)
+
+    async def app(scope, receive, send):                  # the peer address from a test header
+        if scope["type"] == "http":
+            peer = dict(scope["headers"]).get(b"x-peer", b"127.0.0.1").decode()
+            scope = {**scope, "client": (peer, 1)}
+        await server.app(scope, receive, send)
+
+    def body(who: str) -> dict:
+        return {"model": "stories260K", "prompt": f"Once upon a time {who}", "max_tokens": 2,
+                "guided_choice": [f"{who} a", f"{who} b"]}
+
+    with TestClient(app, base_url="http://localhost") as http:
+        statuses: list[int] = []
+
+        def greedy() -> None:
+            statuses.append(http.post("/v1/completions", json=body("greedy"), headers={"x-peer": "10.0.0.1"})
+                            .status_code)
+        flood = [threading.Thread(target=greedy) for _ in range(4)]
+        for t in flood:
+            t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        r = http.post("/v1/completions", json=body("bystander"), headers={"x-peer": "10.0.0.2"})
+        waited = time.monotonic() - t0
+        for t in flood:
+            t.join(30)
+    assert r.status_code == 200 and statuses == [200] * 4
+    assert waited < 0.8          # without the shares: behind two greedy jobs of 1 s each

@@ -199,12 +199,12 @@ class GrammarCompiler:
 MASK_WORKERS = 4
 MASK_NICE = 19
 #: How long a step waits for masks not ready when its forward call ends: this share of the forward
-#: call's time, at least MASK_WAIT_FLOOR seconds; a sequence whose mask is later is skipped for the
-#: step (its last position runs again next step). When every sampled row waits for a mask (nobody
-#: else to serve), up to MASK_IDLE_WAIT.
+#: call's time; a sequence whose mask is later is skipped for the step (its last position runs
+#: again next step). When every sampled row waits for a mask (nobody else to serve), up to
+#: MASK_IDLE_WAIT seconds.
 MASK_WAIT_SHARE = 0.25
-MASK_WAIT_FLOOR = 0.0
 MASK_IDLE_WAIT = 0.05
+
 _workers: ThreadPoolExecutor | None = None
 _workers_lock = threading.Lock()
 
@@ -371,7 +371,7 @@ def _mask_row(row: np.ndarray, disallowed: np.ndarray, vocab_size: int) -> None:
 
 def mask_wait(forward_seconds: float) -> float:
     """How long a step waits for masks that are not ready, after a forward call of this long."""
-    return max(MASK_WAIT_FLOOR, MASK_WAIT_SHARE * forward_seconds)
+    return MASK_WAIT_SHARE * forward_seconds
 
 
 def late_masks(seqs: list[Any], forward_seconds: float, alone: bool) -> set[int]:

@@ -363,3 +363,14 @@ def test_a_greedy_client_holds_one_text_thread_and_one_compiler(artifact, monkey
             t.join(30)
     assert r.status_code == 200 and statuses == [200] * 4
     assert waited < 0.8          # without the shares: behind two greedy jobs of 1 s each
+
+
+@pytest.mark.parametrize("field, value, flag", [("grammar_timeout", 0.0, "--grammar-timeout"),
+                                                ("grammar_mask_timeout", float("nan"), "--grammar-mask-timeout"),
+                                                ("max_grammar_bytes", 1, "--max-grammar-bytes")])
+def test_grammar_option_ranges(field, value, flag):
+    from infeng_common.errors import InfengError
+    from infeng_runtime.server import ServeOptions
+
+    with pytest.raises(InfengError, match=flag):
+        ServeOptions(**{field: value}).check()

@@ -236,6 +236,25 @@ def test_overdue_mask_ends_its_sequence_alone(artifact):
     assert results["json"][1] is None
 
 
+def test_n_matchers_fill_in_parallel():
+    """The masks of one request's four choices are four jobs on four worker threads, not one."""
+    from infeng_runtime.structured import MASK_WORKERS, GrammarCompiler, GrammarSpec
+    from infeng_runtime.tokenizer import Tokenizer
+
+    c = GrammarCompiler(Tokenizer(STORIES), 512).constraint(GrammarSpec("regex", "[a-z]+"), 4)
+    assert all(c.ready(i, deadline=time.monotonic() + 30) for i in range(4))
+    mask_of = c._mask_of
+
+    def slow_mask(index, out):
+        time.sleep(0.5)
+        mask_of(index, out)
+    c._mask_of = slow_mask
+    t0 = time.monotonic()
+    c.prefetch(range(4))
+    assert all(c.ready(i, deadline=t0 + 30) for i in range(4))
+    assert MASK_WORKERS >= 4 and time.monotonic() - t0 < 1.5       # one after another: 2 s
+
+
 def test_ambiguous_grammar_stops_at_the_parser_limit(artifact):
     """The ambiguous grammar's rows grow with the output until llguidance's max_items_in_row
     (PARSER_LIMITS) ends it: an error naming the limit, after a bounded number of tokens."""

@@ -202,7 +202,7 @@ MASK_NICE = 19
 #: call's time; a sequence whose mask is later is skipped for the step (its last position runs
 #: again next step). When every sampled row waits for a mask (nobody else to serve), up to
 #: MASK_IDLE_WAIT seconds.
-MASK_WAIT_SHARE = 0.25
+MASK_WAIT_SHARE = 0.1
 MASK_IDLE_WAIT = 0.05
 
 _workers: ThreadPoolExecutor | None = None

@@ -173,7 +173,8 @@ def artifact(tmp_path_factory):
     return served_artifact(tmp_path_factory.mktemp("grammar-artifact"))
 
 
-def _run(artifact, slow: dict[str, float], mask_seconds: float) -> dict[str, tuple[list[int], str | None]]:
+def _run(artifact, slow: dict[str, float], mask_seconds: float,
+         speculative: str | None = None) -> dict[str, tuple[list[int], str | None]]:
     """Four requests in one batch: ``plain`` unconstrained, ``json``, and each name of ``slow`` a
     JSON constraint whose every mask takes that many seconds; (tokens, error) per request."""
     from infeng_runtime.grammar_limits import GrammarLimits
@@ -182,7 +183,9 @@ def _run(artifact, slow: dict[str, float], mask_seconds: float) -> dict[str, tup
     from infeng_runtime.scheduler import Request
     from infeng_runtime.structured import Constraint, GrammarCompiler, GrammarSpec
 
-    llm = LLM(artifact, threads=1, max_seqs=8)
+    from infeng_runtime.speculative import parse_speculative
+
+    llm = LLM(artifact, threads=1, max_seqs=8, speculative=parse_speculative(speculative))
     grammars = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size, GrammarLimits(mask_seconds=mask_seconds))
     results: dict[str, tuple[list[int], str | None]] = {}
 
@@ -226,6 +229,15 @@ def test_late_masks_skip_a_step_and_change_nothing(artifact):
     slowed = _run(artifact, {"slow": 0.01}, mask_seconds=30)
     assert slowed["plain"] == alone["plain"] and slowed["json"] == alone["json"]
     assert slowed["slow"] == alone["json"] and slowed["slow"][1] is None
+
+
+def test_late_masks_with_speculation_change_nothing(artifact):
+    """Speculating, a choice drafts only when its mask is ready in time and a verification whose
+    masks are late is done again from its last token: greedy outputs are the plain ones."""
+    alone = _run(artifact, {}, mask_seconds=30)
+    slowed = _run(artifact, {"slow": 0.005}, mask_seconds=30, speculative="ngram")
+    assert slowed["plain"] == alone["plain"] and slowed["json"] == alone["json"]
+    assert slowed["slow"] == alone["json"]
 
 
 def test_overdue_mask_ends_its_sequence_alone(artifact):

@@ -7,9 +7,9 @@ SmolLM2-135M-Instruct.Q4_1.gguf -o smollm2.infeng --quant int4``). Rounds altern
 unconstrained request (``ignore_eos``, so it runs ``--tokens`` tokens) and one constrained by a JSON
 schema (it stops when the document closes), both through the engine loop and scheduler the server
 uses. Prints one JSON line per mode: ms per decode step (mean over rounds, best round), and for the
-constrained mode the time the engine thread spent in ``apply_masks`` (waiting for the mask the
-worker filled during the forward call, and applying it) and ``advance`` (the matcher taking the
-token, queueing the next fill): per step (``mask_ms_per_step``), as a fraction of the constrained
+constrained mode the time the engine thread spent in ``late_masks`` (waiting for the mask the
+worker filled during the forward call), ``apply_masks`` (applying it) and ``advance`` (queueing the
+job that feeds the matcher its token and fills the next mask): per step (``mask_ms_per_step``), as a fraction of the constrained
 step (``mask_time_fraction``) and of the unconstrained step of the same run
 (``mask_fraction_of_decode_step``: issue 19's "the mask costs <= 10% of the batch-1 decode step").
 
@@ -68,17 +68,18 @@ def main() -> None:
     compiler.constraint(spec, 1)                          # the tokenizer and grammar, built once
 
     in_masks = [0.0]
-    apply_masks, advance = structured.apply_masks, structured.advance
+    apply_masks, advance, late_masks = structured.apply_masks, structured.advance, structured.late_masks
 
     def timed(fn):
-        def wrapper(*a):
+        def wrapper(*a, **kw):
             t = time.perf_counter()
-            fn(*a)
+            result = fn(*a, **kw)
             in_masks[0] += time.perf_counter() - t
+            return result
         return wrapper
 
     import infeng_runtime.scheduler as sched
-    sched.apply_masks, sched.advance = timed(apply_masks), timed(advance)
+    sched.apply_masks, sched.advance, sched.late_masks = timed(apply_masks), timed(advance), timed(late_masks)
     config = parse_speculative(args.speculative)
     spec_loop = EngineLoop(engine, prefix_cache=False, speculative=config) if config is not None else None
     free_ms, json_ms, mask_ms, mask_frac, spec_ms, json_tok_ms, same = [], [], [], [], [], [], True

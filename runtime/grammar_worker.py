@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ def _serve(conn: Connection, tokenizer: TokenizerSpec) -> None:
 
 
 def _worker_main(conn: Connection, tokenizer: TokenizerSpec) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the server's to handle (it kills us)
     try:
         os.nice(5)                             # below the engine loop, on a shared machine
     except OSError:

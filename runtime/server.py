@@ -53,6 +53,9 @@ from .chat import (SPECIAL_TOKEN_KEYS, TEMPLATE_GLOBALS, ChatTemplateError, mess
                    template_source)
 from .detokenize import ChoiceText, Delta, TokenTexts
 from .exit_watchdog import exit_after
+from .fair_share import CLIENT, ClientShares
+from .grammar_limits import GrammarLimits
+from .grammar_worker import GrammarBusy, GrammarWorkers, TokenizerSpec
 from .http_guard import AccessGuard, AccessPolicy, AdapterRoots, is_loopback_address
 from .json_body import JSONRejected, loads, parse_json
 from .loop import EngineLoop, EngineStopped
@@ -62,9 +65,6 @@ from .request_log import (LOG_FORMATS, LOG_LEVELS, LOGGER, InFlight, RequestLog,
 from .sampling import SEED_BOUND, SamplingParams
 from .scheduler import CONSTRAINT_FAILED, QueueFull, Request, RequestError, SeqOutput
 from .speculative import SpeculativeConfig
-from .fair_share import CLIENT, ClientShares
-from .grammar_limits import GrammarLimits
-from .grammar_worker import GrammarBusy, GrammarWorkers, TokenizerSpec
 from .structured import GrammarCompiler, GrammarError, GrammarSpec, tool_call_grammar
 from .tools import (ToolCall, ToolStream, arguments_object, hermes_messages, parse_forced, parse_tool_calls,
                     template_knows_tools)
@@ -77,13 +77,13 @@ DISCONNECT_POLL_SECONDS = 0.5
 #: thread; past ``TEXT_QUEUE_BOUND`` requests waiting for a thread, a new one gets 503.
 TEXT_WORK_SECONDS = 5.0
 TEXT_WORKERS = 2
+TEXT_QUEUE_BOUND = 256
 #: Grammar compiler processes (grammar_worker.py); each client runs at most one text job and one
 #: grammar compile at a time (fair_share.py), so one client never holds every thread or compiler.
 GRAMMAR_WORKERS = 2
 #: After SIGTERM, the process exits at most this long after --shutdown-timeout, whatever a thread
 #: is doing (the requests left were ended at the timeout; this is for writing their last events).
 SHUTDOWN_GRACE_SECONDS = 10.0
-TEXT_QUEUE_BOUND = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 PRIORITY_BOUND = 1000
@@ -824,7 +824,7 @@ class Server:
         alone, 503 when the engine loop died or the server ended it at shutdown."""
         if finish_reason == "error":
             if error and error.startswith(CONSTRAINT_FAILED):     # the request's grammar, not the server
-                return APIError(400, error, param="response_format", code="grammar_too_expensive")
+                return APIError(400, error, code="grammar_too_expensive")
             if self.loop.error is not None:
                 return _unavailable(error or f"the engine loop failed: {self.loop.error}", "engine_stopped")
             return APIError(500, f"generation failed: {error}", "server_error", code="engine_error")
@@ -1460,4 +1460,3 @@ class _UvicornServer(uvicorn.Server):
         timeout = self.api.options.shutdown_timeout
         exit_after(timeout + SHUTDOWN_GRACE_SECONDS, lambda: self.api.exit_code)
         event_loop.call_soon_threadsafe(lambda: event_loop.create_task(self.api.shutdown(timeout)))
-

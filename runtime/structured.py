@@ -197,14 +197,14 @@ class GrammarCompiler:
 #: each other's, nor a slow grammar's masks in front of everyone's. They run at a lower priority
 #: than the engine loop (``MASK_NICE``), so mask work never slows the forward calls of others.
 MASK_WORKERS = 4
-MASK_NICE = 10
+MASK_NICE = 19
 #: How long a step waits for masks not ready when its forward call ends: this share of the forward
-#: call's time, at least MASK_WAIT_FLOOR seconds; a sequence whose mask is later is skipped for the
-#: step (its last position runs again next step). When every sampled row waits for a mask (nobody
-#: else to serve), up to MASK_IDLE_WAIT.
-MASK_WAIT_SHARE = 0.25
-MASK_WAIT_FLOOR = 0.0005
+#: call's time; a sequence whose mask is later is skipped for the step (its last position runs
+#: again next step). When every sampled row waits for a mask (nobody else to serve), up to
+#: MASK_IDLE_WAIT seconds.
+MASK_WAIT_SHARE = 0.1
 MASK_IDLE_WAIT = 0.05
+
 _workers: ThreadPoolExecutor | None = None
 _workers_lock = threading.Lock()
 
@@ -285,15 +285,21 @@ class Constraint:
         return not self.ready(index) and now - self.queued[index] > self.mask_seconds
 
     def failure(self, index: int) -> str | None:
-        """Why choice ``index``'s matcher stopped (a parser limit hit), or None; its mask is ready."""
+        """Why choice ``index``'s matcher stopped (a parser limit hit, its job failed), or None; its
+        mask is ready."""
+        future = self.pending[index]
+        if future is not None and future.exception() is not None:
+            return f"the mask worker failed: {future.exception()}"[:300]
         m = self.matchers[index]
         return m.get_error()[:300] if m.is_error() else None
 
     def mask(self, index: int) -> np.ndarray:
-        """Choice ``index``'s disallowed tokens (the caller has seen ``ready``; re-raises a worker error)."""
+        """Choice ``index``'s disallowed tokens (the caller has seen ``ready``; after a failed job,
+        only EOS: ``failure`` says why)."""
         future, self.pending[index] = self.pending[index], None
-        if future is not None:
-            future.result()
+        if future is not None and future.exception() is not None:
+            self.disallowed[index] = True
+            self.disallowed[index, self.eos] = False
         return self.disallowed[index]
 
     def advance(self, index: int, tokens: list[int]) -> None:
@@ -365,7 +371,7 @@ def _mask_row(row: np.ndarray, disallowed: np.ndarray, vocab_size: int) -> None:
 
 def mask_wait(forward_seconds: float) -> float:
     """How long a step waits for masks that are not ready, after a forward call of this long."""
-    return max(MASK_WAIT_FLOOR, MASK_WAIT_SHARE * forward_seconds)
+    return MASK_WAIT_SHARE * forward_seconds
 
 
 def late_masks(seqs: list[Any], forward_seconds: float, alone: bool) -> set[int]:

@@ -112,19 +112,21 @@ def test_an_ambiguous_grammar_ends_with_an_error_event_naming_the_limit(server):
 
 # -- bystanders ------------------------------------------------------------------------------------
 def stream_gaps(url: str, address: str, max_tokens: int, out: dict, warmup: int = 30) -> None:
-    """Stream ``max_tokens`` tokens from ``address``; out[address]: the gaps between chunks after
-    ``warmup`` of them (seconds)."""
+    """Stream ``max_tokens`` tokens from ``address``; out[address]: the mean gap between chunks
+    after ``warmup`` of them (seconds; chunks arrive in bursts, so a median of single gaps says
+    little)."""
     body = completion(max_tokens=max_tokens, ignore_eos=True, stream=True)
     times = []
     with client(address) as http, http.stream("POST", f"{url}/v1/completions", json=body) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 times.append(time.perf_counter())
-    out[address] = [b - a for a, b in zip(times[warmup:], times[warmup + 1:])]
+    out[address] = (times[-1] - times[warmup]) / (len(times) - 1 - warmup)
 
 
 def bystander_gap(url: str, during=None, max_tokens: int = 400) -> float:
-    """The median inter-token gap of three bystanders streaming together (``during()`` runs meanwhile)."""
+    """The inter-token gap of three bystanders streaming together, the median of their means
+    (``during()`` runs meanwhile)."""
     out: dict = {}
     threads = [threading.Thread(target=stream_gaps, args=(url, a, max_tokens, out)) for a in BYSTANDERS]
     for t in threads:
@@ -133,45 +135,67 @@ def bystander_gap(url: str, during=None, max_tokens: int = 400) -> float:
         during()
     for t in threads:
         t.join(300)
-    assert set(out) == set(BYSTANDERS) and all(out.values())
-    return statistics.median(g for gaps in out.values() for g in gaps)
+    assert set(out) == set(BYSTANDERS)
+    return statistics.median(out.values())
 
 
-def attack(url: str, stop: threading.Event, results: list) -> None:
-    """One attacker: ambiguous-grammar streams (n=4) and refused grammars, again and again."""
-    bodies = [completion(guided_grammar=AMBIGUOUS, max_tokens=480, temperature=1.0, n=4, stream=True),
-              completion(guided_grammar=chain(5000)), completion(guided_choice=[f"w{i}" for i in range(50_000)])]
+#: Seconds between an attacker's requests. Each refused grammar costs the server about what any
+#: request of its size does (receiving and parsing the body on the event loop: 1.5 ms for 13 kB,
+#: 9 ms for 490 kB here); back to back from several threads that is a request flood, which slows
+#: every stream whatever the requests hold and is a rate limiter's business, not the grammar's.
+ATTACK_PACE_S = 0.05
+
+
+def attack(url: str, stop: threading.Event, results: list, refused_only: bool = False) -> None:
+    """One attacker: an ambiguous-grammar stream and grammars to refuse, again and again. (The
+    stream is one sequence: each sequence streamed costs the server Python work per token, so on
+    this tiny model two more streams of any kind slow three bystanders by about 1.4x; the test
+    is about what the grammars cost. n > 1 is test_n_matchers_fill_in_parallel and
+    test_an_ambiguous_grammar_ends_with_an_error_event_naming_the_limit.)"""
+    bodies = [completion(guided_grammar=chain(5000)), completion(guided_choice=[f"w{i}" for i in range(50_000)]),
+              completion(structured_outputs={"grammar": chain(900, gbnf=True)})]
+    if not refused_only:
+        bodies.append(completion(guided_grammar=AMBIGUOUS, max_tokens=480, temperature=1.0, stream=True))
     with client(ATTACKER) as http:
         i = 0
         while not stop.is_set():
             body = bodies[i % len(bodies)]
             i += 1
-            r = http.post(f"{url}/v1/completions", json=body)
+            try:
+                r = http.post(f"{url}/v1/completions", json=body)
+            except httpx.HTTPError as e:               # the server went away (SIGTERM)
+                results.append((None, repr(e)))
+                return
             results.append((r.status_code, r.text[-300:]))
+            stop.wait(ATTACK_PACE_S)
 
 
 @pytest.mark.slow
 def test_bystanders_keep_their_pace_under_attack(server):
+    """Rounds of three bystanders alone and under attack, alternated; the medians compared."""
     bystander_gap(server, max_tokens=100)                   # warm-up
-    alone = bystander_gap(server)
-    stop = threading.Event()
-    results: list = []
-    attackers = [threading.Thread(target=attack, args=(server, stop, results)) for _ in range(2)]
+    alone, loaded, results = [], [], []
+    for _ in range(3):
+        alone.append(bystander_gap(server))
+        stop = threading.Event()
+        attackers = [threading.Thread(target=attack, args=(server, stop, results, refused_only))
+                     for refused_only in (False, True)]
 
-    def during():
-        for t in attackers:
-            t.start()
-    try:
-        loaded = bystander_gap(server, during)
-    finally:
-        stop.set()
-        for t in attackers:
-            t.join(60)
-    print(json.dumps({"bystander_gap_alone_ms": round(alone * 1e3, 3), "under_attack_ms": round(loaded * 1e3, 3),
-                      "attacks": len(results)}))
+        def during():
+            for t in attackers:
+                t.start()
+        try:
+            loaded.append(bystander_gap(server, during))
+        finally:
+            stop.set()
+            for t in attackers:
+                if t.ident:
+                    t.join(60)
+    print(json.dumps({"bystander_gap_alone_ms": [round(g * 1e3, 3) for g in alone],
+                      "under_attack_ms": [round(g * 1e3, 3) for g in loaded], "attacks": len(results)}))
     assert results and all(status in (200, 400) for status, _ in results)
     assert any("grammar_too_expensive" in text for _, text in results)      # the ambiguous streams' errors
-    assert loaded < 2 * alone
+    assert statistics.median(loaded) < 2 * statistics.median(alone)
     assert httpx.get(f"{server}/health").status_code == 200
 
 
@@ -242,9 +266,11 @@ def test_sigterm_under_attack_ends_the_process_within_the_timeout(artifact, tmp_
         stop.set()
         for t in attackers + others:
             t.join(60)
+    print(json.dumps({"sigterm_to_exit_s": round(elapsed, 3), "exit_code": code, "attacks": len(results)}))
     assert elapsed < timeout + SHUTDOWN_GRACE_SECONDS and code in (0, 1)
     for lines in streams.values():                     # ended at the timeout: an error event, then [DONE]
         assert lines[-1] == "data: [DONE]"
         assert any(line.startswith('data: {"error"') and "shutting_down" in line for line in lines)
     for status, text in results:                       # never a plain-text 500
-        assert status != 500 or text.startswith("{"), text
+        assert status in (None, 200, 400, 503), text
+        assert status is None or text.endswith("}") or text.endswith("[DONE]\n\n"), text

@@ -8,8 +8,10 @@ end to end is tests/test_grammar_attacks.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -171,7 +173,8 @@ def artifact(tmp_path_factory):
     return served_artifact(tmp_path_factory.mktemp("grammar-artifact"))
 
 
-def _run(artifact, slow: dict[str, float], mask_seconds: float) -> dict[str, tuple[list[int], str | None]]:
+def _run(artifact, slow: dict[str, float], mask_seconds: float,
+         speculative: str | None = None) -> dict[str, tuple[list[int], str | None]]:
     """Four requests in one batch: ``plain`` unconstrained, ``json``, and each name of ``slow`` a
     JSON constraint whose every mask takes that many seconds; (tokens, error) per request."""
     from infeng_runtime.grammar_limits import GrammarLimits
@@ -180,7 +183,9 @@ def _run(artifact, slow: dict[str, float], mask_seconds: float) -> dict[str, tup
     from infeng_runtime.scheduler import Request
     from infeng_runtime.structured import Constraint, GrammarCompiler, GrammarSpec
 
-    llm = LLM(artifact, threads=1, max_seqs=8)
+    from infeng_runtime.speculative import parse_speculative
+
+    llm = LLM(artifact, threads=1, max_seqs=8, speculative=parse_speculative(speculative))
     grammars = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size, GrammarLimits(mask_seconds=mask_seconds))
     results: dict[str, tuple[list[int], str | None]] = {}
 
@@ -226,12 +231,40 @@ def test_late_masks_skip_a_step_and_change_nothing(artifact):
     assert slowed["slow"] == alone["json"] and slowed["slow"][1] is None
 
 
+def test_late_masks_with_speculation_change_nothing(artifact):
+    """Speculating, a choice drafts only when its mask is ready in time and a verification whose
+    masks are late is done again from its last token: greedy outputs are the plain ones."""
+    alone = _run(artifact, {}, mask_seconds=30)
+    slowed = _run(artifact, {"slow": 0.005}, mask_seconds=30, speculative="ngram")
+    assert slowed["plain"] == alone["plain"] and slowed["json"] == alone["json"]
+    assert slowed["slow"] == alone["json"]
+
+
 def test_overdue_mask_ends_its_sequence_alone(artifact):
     results = _run(artifact, {"stuck": 1.0}, mask_seconds=0.3)
     tokens, error = results["stuck"]
     assert error and "grammar mask time limit" in error and "0.3 s" in error
     assert results["plain"][1] is None and len(results["plain"][0]) == 60
     assert results["json"][1] is None
+
+
+def test_n_matchers_fill_in_parallel():
+    """The masks of one request's four choices are four jobs on four worker threads, not one."""
+    from infeng_runtime.structured import MASK_WORKERS, GrammarCompiler, GrammarSpec
+    from infeng_runtime.tokenizer import Tokenizer
+
+    c = GrammarCompiler(Tokenizer(STORIES), 512).constraint(GrammarSpec("regex", "[a-z]+"), 4)
+    assert all(c.ready(i, deadline=time.monotonic() + 30) for i in range(4))
+    mask_of = c._mask_of
+
+    def slow_mask(index, out):
+        time.sleep(0.5)
+        mask_of(index, out)
+    c._mask_of = slow_mask
+    t0 = time.monotonic()
+    c.prefetch(range(4))
+    assert all(c.ready(i, deadline=t0 + 30) for i in range(4))
+    assert MASK_WORKERS >= 4 and time.monotonic() - t0 < 1.5       # one after another: 2 s
 
 
 def test_ambiguous_grammar_stops_at_the_parser_limit(artifact):
@@ -306,3 +339,69 @@ def test_exit_watchdog_ends_a_process_stuck_in_a_thread():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and time.monotonic() - t0 < 10
     assert "exiting now" in proc.stderr
+
+
+@pytest.mark.parametrize("slow", ["text", "grammar"])
+def test_a_greedy_client_holds_one_text_thread_and_one_compiler(artifact, monkeypatch, slow):
+    """A greedy client's slow prompts (or grammars) take one text thread (compiler) at a time: a
+    bystander's request, sent while four of them wait, is answered at once on the other."""
+    from starlette.testclient import TestClient
+
+    from infeng_runtime.server import ServeOptions, build_server
+
+    server = build_server(artifact, ServeOptions(threads=1, max_seqs=4))
+    encode, compile_grammar = server.tokenizer.encode_batch, server.grammars.grammar
+
+    def slow_encode(texts, *a):
+        if "greedy" in texts[0]:
+            time.sleep(1.0)
+        return encode(texts, *a)
+
+    def slow_grammar(spec):
+        if "greedy" in json.dumps(spec.value):
+            time.sleep(1.0)
+        return compile_grammar(spec)
+
+    if slow == "text":
+        monkeypatch.setattr(server.tokenizer, "encode_batch", slow_encode)
+    else:
+        monkeypatch.setattr(server.grammars, "grammar", slow_grammar)
+
+    async def app(scope, receive, send):                  # the peer address from a test header
+        if scope["type"] == "http":
+            peer = dict(scope["headers"]).get(b"x-peer", b"127.0.0.1").decode()
+            scope = {**scope, "client": (peer, 1)}
+        await server.app(scope, receive, send)
+
+    def body(who: str) -> dict:
+        return {"model": "stories260K", "prompt": f"Once upon a time {who}", "max_tokens": 2,
+                "guided_choice": [f"{who} a", f"{who} b"]}
+
+    with TestClient(app, base_url="http://localhost") as http:
+        statuses: list[int] = []
+
+        def greedy() -> None:
+            statuses.append(http.post("/v1/completions", json=body("greedy"), headers={"x-peer": "10.0.0.1"})
+                            .status_code)
+        flood = [threading.Thread(target=greedy) for _ in range(4)]
+        for t in flood:
+            t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        r = http.post("/v1/completions", json=body("bystander"), headers={"x-peer": "10.0.0.2"})
+        waited = time.monotonic() - t0
+        for t in flood:
+            t.join(30)
+    assert r.status_code == 200 and statuses == [200] * 4
+    assert waited < 0.8          # without the shares: behind two greedy jobs of 1 s each
+
+
+@pytest.mark.parametrize("field, value, flag", [("grammar_timeout", 0.0, "--grammar-timeout"),
+                                                ("grammar_mask_timeout", float("nan"), "--grammar-mask-timeout"),
+                                                ("max_grammar_bytes", 1, "--max-grammar-bytes")])
+def test_grammar_option_ranges(field, value, flag):
+    from infeng_common.errors import InfengError
+    from infeng_runtime.server import ServeOptions
+
+    with pytest.raises(InfengError, match=flag):
+        ServeOptions(**{field: value}).check()

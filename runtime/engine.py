@@ -38,16 +38,34 @@ def _ffi(header: str) -> cffi.FFI:
     return ffi
 
 
-def available_memory() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable), None if unknown."""
+def _read_int(path: Path) -> int | None:
+    """The integer a one-value file holds (cgroup's ``max`` and unreadable files: None)."""
     try:
-        with open("/proc/meminfo") as f:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def available_memory(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sys/fs/cgroup") -> int | None:
+    """Bytes that can be allocated without swapping, None if unknown: the kernel's MemAvailable,
+    cut to what the cgroup (a container's limit) leaves: v2 ``memory.max - memory.current``, v1
+    ``memory/memory.limit_in_bytes - memory/memory.usage_in_bytes``."""
+    known: list[int] = []
+    try:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    known.append(int(line.split()[1]) * 1024)
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    cgroup = Path(cgroup)
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        limit = _read_int(cgroup / limit_file)            # "max" (no limit) reads as None
+        if limit is not None:
+            known.append(max(0, limit - (_read_int(cgroup / usage_file) or 0)))
+    return min(known) if known else None
 
 
 def _gib(n: int) -> str:

@@ -16,7 +16,7 @@ import pytest
 from _serving import served_artifact, server_process
 from infeng_common.errors import InfengError
 from infeng_runtime import engine as engine_module
-from infeng_runtime.engine import KV_MEMORY_SHARE, Engine
+from infeng_runtime.engine import KV_MEMORY_SHARE, Engine, available_memory
 from infeng_runtime.kv_cache import KVCacheFull
 from infeng_runtime.llm import LLM
 from infeng_runtime.sampling import SamplingParams
@@ -53,6 +53,29 @@ def with_memory_for(monkeypatch, engine: Engine, blocks: int) -> None:
     """Make the engine module see the weights plus ``blocks`` KV blocks of memory available."""
     available = int(engine.lib.ife_weights_bytes()) + blocks * engine.kv_block_bytes
     monkeypatch.setattr(engine_module, "available_memory", lambda: available)
+
+
+def test_available_memory_respects_the_cgroup_limit(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   20000000 kB\n")
+    host = 20000000 * 1024
+    v2, v1, none = tmp_path / "v2", tmp_path / "v1", tmp_path / "none"
+    (v1 / "memory").mkdir(parents=True)
+    v2.mkdir()
+    none.mkdir()
+    assert available_memory(meminfo, none) == host                  # no cgroup files: the host's
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "memory.current").write_text(f"{100 * MiB}\n")
+    assert available_memory(meminfo, v2) == host                    # v2 without a limit
+    (v2 / "memory.max").write_text(f"{1024 * MiB}\n")
+    assert available_memory(meminfo, v2) == 924 * MiB               # a container's limit less its use
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{512 * MiB}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{600 * MiB}\n")
+    assert available_memory(meminfo, v1) == 0                       # over its limit: nothing left
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")   # v1's "no limit"
+    assert available_memory(meminfo, v1) == host
+    assert available_memory(tmp_path / "absent", v2) == 924 * MiB   # no /proc/meminfo: the cgroup's
+    assert available_memory(tmp_path / "absent", none) is None
 
 
 def test_default_pool_holds_max_seqs_of_the_model_context(artifact):

@@ -168,7 +168,7 @@ def compile_options(target: str, dtype: DType | None, passes: str | None, max_to
 
 @app.command("ir")
 @fails_cleanly
-def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, .onnx, .gguf, Hub id org/name[@rev] "
+def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .onnx, .gguf, Hub id org/name[@rev] "
                                                        "or an artifact"),
                format: IRFormat = typer.Option(IRFormat.text, "--format", help="text, json, dot or onnx (needs -o)"),
                output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
@@ -201,7 +201,7 @@ def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, 
     if is_artifact(model):                      # the final IR the artifact was built from
         if after or format != IRFormat.text:
             raise InfengError(f"{model}: is a compiled artifact; it keeps its final IR only (ir.txt, text)")
-        _write_text((model / "ir.txt").read_text(), output)
+        _write_text((Path(model) / "ir.txt").read_text(), output)
         return
     options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank, lora_targets,
                               tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window)
@@ -455,7 +455,7 @@ def parse_named_paths(items: list[str], option: str) -> dict[str, Path]:
 
 @app.command("compile")
 @fails_cleanly
-def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir, .safetensors, .onnx, .gguf or Hub "
+def compile_command(model: Optional[str] = typer.Argument(None, help="model dir, .safetensors, .onnx, .gguf or Hub "
                                                                       "id org/name[@rev]"),
                     output: Path = typer.Option(..., "-o", "--output", help="artifact directory to write"),
                     replay: Optional[Path] = typer.Option(None, "--replay",
@@ -640,7 +640,7 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
 
 @app.command("chat")
 @fails_cleanly
-def chat_command(model: Path = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
+def chat_command(model: str = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
                                                            "compiled into the artifact cache first"),
                  system: Optional[str] = typer.Option(None, "--system", help="system prompt"),
                  max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", min=1,
@@ -703,7 +703,7 @@ def parse_size(text: str, option: str) -> int:
 
 @app.command("serve")
 @fails_cleanly
-def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
+def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
                                                            "compiled into the artifact cache first"),
                   adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: serve a LoRA adapter as model "
                                                                        "NAME (repeatable)"),
@@ -775,7 +775,7 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
     serve(artifact, options)
 
 
-def _serving_artifact(model: Path, target: str, dtype: DType | None, max_tokens: int, max_adapters: int,
+def _serving_artifact(model: str | Path, target: str, dtype: DType | None, max_tokens: int, max_adapters: int,
                       max_rank: int | None, tokenizer: Path | None, quant: QuantPreset | None,
                       quant_policy: Path | None,
                       calib: Path | None, calib_max_bytes: int | None, kv: KVScheme, kv_window: int) -> Path:
@@ -784,7 +784,7 @@ def _serving_artifact(model: Path, target: str, dtype: DType | None, max_tokens:
     from infeng_common.manifest import is_artifact
 
     if is_artifact(model):
-        return model
+        return Path(model)
     from .compile import cached_artifact
 
     compile_opts = compile_options(target, dtype, None, max_tokens, [], [], max_adapters, max_rank, "",

@@ -268,7 +268,7 @@ def _shard(m: Path) -> Path:
 
 def case_shard_missing(m: Path) -> tuple[Path, Expect]:
     (_shard(m) / "model-00002-of-00002.safetensors").unlink()
-    return m, Expect(ModelFormatError, (str(m / "model-00002-of-00002.safetensors"), "not found"))
+    return m, Expect(ModelFormatError, (str(m / "model-00002-of-00002.safetensors"), "no such file or directory"))
 
 
 def case_shard_index_bad_json(m: Path) -> tuple[Path, Expect]:

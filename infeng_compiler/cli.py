@@ -5,6 +5,7 @@ import functools
 import json
 import sys
 import time
+import typing
 from enum import Enum
 from pathlib import Path
 from typing import Callable, Optional
@@ -13,28 +14,61 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-from typer.core import TyperCommand, TyperGroup, TyperOption
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from infeng_common.errors import InfengError
 
-class _FlagsWithoutType:
-    """Help that shows no value type for a flag. typer 0.29's rich options panel prints every option's
-    type, so each flag (``--help`` too) read ``<bool>`` although it takes no value; its plain help
-    skips flags. An empty metavar is what that panel prints instead of the type."""
+class _ReadableParams:
+    """Help that reads at 80 columns. typer 0.29's rich options panel prints each option's type
+    (``<bool>`` on every flag, ``<list[str]>``, ``<int range> [x>=1]``, a choice list that breaks
+    mid-word) and the usage line a ``{model}``. So: a flag shows nothing, an option with no
+    metavar of its own shows one from its type (N, X, TEXT, PATH; a choice shows the option's name,
+    KV, and its choices go into the help text), a number's range is not printed (the value is
+    still checked), and the usage line names arguments in capitals: ``infeng chat [OPTIONS] MODEL``."""
 
     def get_params(self, ctx: typer.Context) -> list:
         params = super().get_params(ctx)
         for param in params:
-            if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
-                param.metavar = ""
+            if getattr(param, "_readable", False):
+                continue
+            param._readable = True
+            if isinstance(param, TyperArgument):
+                param.metavar = param.metavar or param.name.upper()
+            elif isinstance(param, TyperOption) and param.metavar is None:
+                param.metavar = "" if param.is_flag else _metavar(param)
+            if param.min is not None or param.max is not None:
+                param._get_number_range_help_str = lambda: None
         return params
 
+    def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperArgument):
+                name = param.metavar + ("..." if param.nargs != 1 else "")
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
 
-class _Command(_FlagsWithoutType, TyperCommand):
+
+def _metavar(option: TyperOption) -> str:
+    """An option's metavar from its type; a choice's values are appended to its help."""
+    described = option.type_descriptor
+    if described.is_choice:
+        choices = [str(getattr(c, "value", c)) for c in described.choices]
+        if not all(c in (option.help or "") for c in choices):
+            option.help = f"{option.help or ''} (one of {', '.join(choices)})".strip()
+        return option.name.upper()
+    if described.is_path:
+        return "PATH"
+    annotation = described.annotation
+    element = typing.get_args(annotation)[0] if described.is_list else annotation
+    return {int: "N", float: "X"}.get(element, "TEXT")
+
+
+class _Command(_ReadableParams, TyperCommand):
     pass
 
 
-class _Group(_FlagsWithoutType, TyperGroup):
+class _Group(_ReadableParams, TyperGroup):
     pass
 
 
@@ -132,8 +166,8 @@ DTYPE = typer.Option(None, "--dtype", help="weight storage for matrices (default
                                             "a GGUF's Q8_0/Q4_0/Q4_1 matrices, which are kept exact otherwise)")
 PASSES = typer.Option(None, "--passes", help="explicit pass pipeline")
 MAX_TOKENS = typer.Option(256, "--max-tokens", min=1, help="most token rows per forward call")
-LORA = typer.Option([], "--lora", help="NAME=DIR: a PEFT LoRA adapter (repeatable)")
-MERGE = typer.Option([], "--merge", help="fold adapter NAME into the weights")
+LORA = typer.Option([], "--lora", metavar="NAME=DIR", help="a PEFT LoRA adapter (repeatable)")
+MERGE = typer.Option([], "--merge", metavar="NAME", help="fold adapter NAME into the weights")
 MAX_ADAPTERS = typer.Option(0, "--max-adapters", min=0, help="LoRA slots for adapters loaded at run time")
 MAX_RANK = typer.Option(None, "--max-rank", min=1, help="max LoRA rank per slot (default: 16, or the largest "
                                                           "--lora adapter's rank above it)")
@@ -371,12 +405,13 @@ def _kv_bytes_per_token(runner) -> float:
 @fails_cleanly
 def generate_command(model: Path = typer.Argument(..., help="model directory or Hub id org/name[@rev]"),
                      prompt: str = typer.Argument(...),
-                     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
+                     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="most tokens to generate"),
                      temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
-                     top_p: float = typer.Option(1.0, "--top-p"),
-                     top_k: int = typer.Option(0, "--top-k"),
-                     seed: Optional[int] = typer.Option(None, "--seed"),
-                     as_json: bool = typer.Option(False, "--json"),
+                     top_p: float = typer.Option(1.0, "--top-p",
+                                                 help="keep the likeliest tokens up to this probability"),
+                     top_k: int = typer.Option(0, "--top-k", help="sample among the N most likely tokens (0 = all)"),
+                     seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (default: random)"),
+                     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
                      tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer dir (ONNX)")):
     """Continue PROMPT with the reference interpreter (slow, exact)."""
     from infeng_runtime.sampling import SamplingParams
@@ -557,7 +592,7 @@ SPECULATIVE = typer.Option(None, "--speculative",
 
 
 #: Options `serve` and `serve-ray` share (each replica of serve-ray takes them as `serve` does).
-PORT = typer.Option(8000, "--port")
+PORT = typer.Option(8000, "--port", help="TCP port to listen on")
 MAX_CONTEXT = typer.Option(None, "--max-context",
                            help="tokens per sequence; with --max-seqs it fixes the KV pool (default: the model's, "
                                 "cut to what the default pool holds)")
@@ -577,7 +612,7 @@ GRAMMAR_MASK_TIMEOUT = typer.Option(5.0, "--grammar-mask-timeout",
                                          "with an error past it)")
 MAX_GRAMMAR_BYTES = typer.Option("64KiB", "--max-grammar-bytes",
                                  help="largest grammar, regex, JSON schema or choice list (400 beyond it)")
-LOG_LEVEL = typer.Option("info", "--log-level")
+LOG_LEVEL = typer.Option("info", "--log-level", help="trace, debug, info, warning, error or critical")
 ALWAYS_INCLUDE_USAGE = typer.Option(False, "--always-include-usage",
                                     help="end every stream with a usage chunk, whether or not the request asks "
                                          "(vLLM's --enable-force-include-usage)")
@@ -587,19 +622,20 @@ ALWAYS_INCLUDE_USAGE = typer.Option(False, "--always-include-usage",
 @fails_cleanly
 def run_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
                 prompt: str = typer.Argument(...),
-                max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
+                max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="most tokens to generate"),
                 temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
-                top_p: float = typer.Option(1.0, "--top-p"),
-                top_k: int = typer.Option(0, "--top-k"),
-                seed: Optional[int] = typer.Option(None, "--seed"),
+                top_p: float = typer.Option(1.0, "--top-p", help="keep the likeliest tokens up to this probability"),
+                top_k: int = typer.Option(0, "--top-k", help="sample among the N most likely tokens (0 = all)"),
+                seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (default: random)"),
                 threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
-                adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: load a LoRA adapter (repeatable)"),
-                use: Optional[str] = typer.Option(None, "--use", help="generate with adapter NAME"),
+                adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
+                                                  help="load a LoRA adapter (repeatable)"),
+                use: Optional[str] = typer.Option(None, "--use", metavar="NAME", help="generate with adapter NAME"),
                 raw: bool = typer.Option(False, "--raw", help="continue PROMPT as plain text, without the model's "
                                                              "chat template"),
                 system: Optional[str] = typer.Option(None, "--system", help="system prompt (chat template only)"),
                 speculative: Optional[str] = SPECULATIVE,
-                as_json: bool = typer.Option(False, "--json")):
+                as_json: bool = typer.Option(False, "--json", help="print one JSON object")):
     """Answer PROMPT with a compiled artifact, streaming text, and print tok/s.
 
     A model with a chat template gets PROMPT as a user message, as `infeng chat` and the chat API
@@ -646,16 +682,17 @@ def chat_command(model: str = typer.Argument(..., help="compiled artifact, or a 
                  max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", min=1,
                                                     help="most tokens per answer"),
                  temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
-                 top_p: float = typer.Option(1.0, "--top-p"),
-                 top_k: int = typer.Option(0, "--top-k"),
-                 seed: Optional[int] = typer.Option(None, "--seed"),
+                 top_p: float = typer.Option(1.0, "--top-p", help="keep the likeliest tokens up to this probability"),
+                 top_k: int = typer.Option(0, "--top-k", help="sample among the N most likely tokens (0 = all)"),
+                 seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (default: random)"),
                  threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
                  max_context: Optional[int] = typer.Option(None, "--max-context", min=1,
                                                            help="tokens the conversation may hold (default: the "
                                                                 "model's)"),
-                 adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: load a LoRA adapter "
-                                                                        "(repeatable; /adapter NAME answers with it)"),
-                 use: Optional[str] = typer.Option(None, "--use", help="start with adapter NAME"),
+                 adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
+                                                    help="load a LoRA adapter (repeatable; /adapter NAME answers "
+                                                         "with it)"),
+                 use: Optional[str] = typer.Option(None, "--use", metavar="NAME", help="start with adapter NAME"),
                  target: str = TARGET, dtype: Optional[DType] = DTYPE,
                  max_adapters: Optional[int] = typer.Option(None, "--max-adapters", min=0,
                                                             help="LoRA slots when compiling MODEL (default: 4 with "
@@ -705,8 +742,8 @@ def parse_size(text: str, option: str) -> int:
 @fails_cleanly
 def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
                                                            "compiled into the artifact cache first"),
-                  adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: serve a LoRA adapter as model "
-                                                                       "NAME (repeatable)"),
+                  adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
+                                                     help="serve a LoRA adapter as model NAME (repeatable)"),
                   host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback: this machine only)"),
                   port: int = PORT,
                   threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
@@ -815,8 +852,9 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                                                               help="CPUs Ray reserves per replica = its threads"),
                       address: Optional[str] = typer.Option(None, "--address",
                                                             help="join this Ray cluster (default: start one here)"),
-                      adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: a LoRA adapter requests "
-                                                                           "may name as model NAME (repeatable)"),
+                      adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
+                                                         help="a LoRA adapter requests may name as model NAME "
+                                                              "(repeatable)"),
                       adapters_per_replica: Optional[int] = typer.Option(
                           None, "--adapters-per-replica",
                           help="adapters resident per replica, least recently used evicted (default: the "
@@ -916,8 +954,8 @@ def verify_command(artifact: Path = typer.Argument(..., help="compiled artifact 
 @app.command("bench")
 @fails_cleanly
 def bench_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
-                  prompt_len: int = typer.Option(128, "--prompt-len"),
-                  gen_len: int = typer.Option(64, "--gen-len"),
+                  prompt_len: int = typer.Option(128, "--prompt-len", help="prompt tokens per prefill run"),
+                  gen_len: int = typer.Option(64, "--gen-len", help="tokens generated per decode run"),
                   batch: int = typer.Option(1, "--batch", help="sequences decoded together"),
                   threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
                   profile: bool = typer.Option(False, "--profile", help="per-op table (artifact built with --profile)"),
@@ -976,7 +1014,7 @@ DEMO_QUESTIONS = ("What is the capital of Germany?", "Why is the sky blue?", "Gi
 def demo_command(workdir: Optional[Path] = typer.Option(None, "--dir", help="where to build the synthetic model "
                                                                             "(default: a cache dir)"),
                  prompt: Optional[str] = typer.Option(None, "--prompt", help="ask this instead of the demo questions"),
-                 max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", min=1),
+                 max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", min=1, help="most tokens per answer"),
                  offline: bool = typer.Option(False, "--offline", help="the synthetic model, without fetching")):
     """Chat with a real model: SmolLM2-135M-Instruct, compiled for this CPU with int4 weights.
 

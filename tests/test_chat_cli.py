@@ -94,13 +94,65 @@ def test_chat_stops_an_answer_and_goes_on(llm):
     from infeng_runtime.terminal_chat import ChatSession
 
     session = ChatSession(llm, SamplingParams(max_new_tokens=12))
-    pieces = list(session.ask("Once upon a time", stopped=lambda: True))
+    pieces: list[str] = []
+    for piece in session.ask("Once upon a time", stopped=lambda: bool(pieces)):
+        pieces.append(piece)
     assert len(pieces) == 1 and session.last.finish_reason == "abort"
     assert session.turns[1] == {"role": "assistant", "content": pieces[0]}
     assert not llm.loop.has_work()
     full = "".join(session.ask("Tell me more"))
     assert full == reference(llm, session.turns[:2] + [{"role": "user", "content": "Tell me more"}], 12)
     assert session.last.finish_reason == "length"
+
+
+def test_chat_stop_is_seen_before_any_engine_step(artifact, monkeypatch):
+    """Ctrl-C during a long prefill (chunks of 16 tokens here): the stop flag is checked before
+    every engine step, not only after a piece of text, so no step runs once it is set."""
+    from infeng_runtime.terminal_chat import ChatSession
+
+    llm = LLM(artifact, threads=1, max_seqs=1, max_batched_tokens=16)
+    steps = []
+    run_once = llm.loop.run_once
+    monkeypatch.setattr(llm.loop, "run_once", lambda: steps.append(1) or run_once())
+    session = ChatSession(llm, SamplingParams(max_new_tokens=12))
+    assert list(session.ask("Once upon a time " * 10, stopped=lambda: len(steps) >= 2)) == []
+    assert len(steps) == 2 and session.last.finish_reason == "abort" and not llm.loop.has_work()
+    assert session.turns[1] == {"role": "assistant", "content": ""}
+    llm.close()
+
+
+def test_ctrl_c_after_an_answer_does_not_end_the_chat(llm, monkeypatch):
+    """A Ctrl-C at the prompt within CTRL_C_GRACE_S of an answer's end was meant for the answer;
+    later, at an empty prompt, it ends the chat."""
+    import io
+
+    from infeng_runtime import terminal_chat
+    from infeng_runtime.terminal_chat import ChatSession, chat_loop
+
+    def reader(lines):
+        def read(prompt):
+            line = lines.pop(0)
+            if isinstance(line, type):
+                raise line()
+            return line
+        return read
+
+    out = io.StringIO()
+    lines = ["Once upon a time", KeyboardInterrupt, "/history", EOFError]
+    chat_loop(ChatSession(llm, SamplingParams(max_new_tokens=4)), reader(lines), out, print, print)
+    assert not lines and "[assistant]" in out.getvalue()            # went on to /history
+    monkeypatch.setattr(terminal_chat, "CTRL_C_GRACE_S", 0.0)
+    lines = ["Once upon a time", KeyboardInterrupt, "/history", EOFError]
+    chat_loop(ChatSession(llm, SamplingParams(max_new_tokens=4)), reader(lines), out, print, print)
+    assert lines == ["/history", EOFError]                           # the chat ended there
+
+
+def test_chat_answer_budget_fits_a_short_context(artifact):
+    """-n larger than the context: half the context is kept for the answer, and each answer is cut
+    to what the context has left (no negative room, no refusal)."""
+    result = chat(artifact, ["Once upon a time there was a dog"] * 3, "--max-context", "48", "-n", "512")
+    assert result.exit_code == 0, result.output
+    assert "error" not in result.stderr and len(answers(result.stdout)) == 3
 
 
 def test_chat_leaves_out_old_turns_to_fit_the_context(artifact):

@@ -24,6 +24,9 @@ DEFAULT_MAX_SEQS = 16
 #: Share of the memory available at load (MemAvailable less the weights) that a KV pool of default
 #: size may reach: a bigger default pool is cut to it (docs/serving.md).
 KV_MEMORY_SHARE = 0.5
+#: A default pool cut to the share must hold one sequence of min(the model's context, this many
+#: tokens); less memory is refused rather than served with a context too short to be of use.
+MIN_DEFAULT_CONTEXT = 2048
 _log = logging.getLogger("infeng.engine")
 
 
@@ -179,8 +182,14 @@ class Engine:
             if available is not None:
                 weights = int(self.lib.ife_weights_bytes())
                 budget = int(KV_MEMORY_SHARE * max(0, available - weights)) // (block_bytes + 8)
+                least = min(self.max_context, MIN_DEFAULT_CONTEXT)
+                if budget * self.block_size < least:
+                    raise InfengError(f"{KV_MEMORY_SHARE:.0%} of the {_gib(available)} of memory available (less "
+                                      f"{_mib(weights)} of weights) holds a KV pool of {budget * self.block_size} "
+                                      f"tokens, less than one sequence of {least}; free memory, or give "
+                                      f"--kv-memory or --max-context")
                 if budget < n_blocks:
-                    n_blocks = max(1, budget)
+                    n_blocks = budget
                     sized_by = (f"{KV_MEMORY_SHARE:.0%} of the {_gib(available)} available less "
                                 f"{_mib(weights)} of weights")
         context = self.max_context

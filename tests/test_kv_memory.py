@@ -98,6 +98,20 @@ def test_default_pool_is_cut_to_the_share_of_available_memory(long_context_artif
     assert "sized by 50% of the" in engine.kv_summary()
 
 
+def test_too_little_memory_for_one_default_sequence_is_refused(long_context_artifact, monkeypatch):
+    """A default pool cut below one sequence of min(model context, 2048) tokens is refused (one
+    line, exit 2 in the CLI) rather than serving a 16-token context."""
+    from infeng_runtime.engine import MIN_DEFAULT_CONTEXT
+
+    probe = Engine(long_context_artifact, threads=1, max_seqs=1, kv_blocks=1)
+    blocks = MIN_DEFAULT_CONTEXT // probe.block_size                 # x 50%: half a sequence
+    with_memory_for(monkeypatch, probe, blocks)
+    with pytest.raises(InfengError, match=f"less than one sequence of {MIN_DEFAULT_CONTEXT}; free memory"):
+        Engine(long_context_artifact, threads=1)
+    with_memory_for(monkeypatch, probe, 2 * blocks + 8)              # the share holds one sequence
+    assert Engine(long_context_artifact, threads=1).max_context >= MIN_DEFAULT_CONTEXT
+
+
 def test_asked_sizes_fix_the_pool(artifact, monkeypatch):
     probe = Engine(artifact, threads=1, max_seqs=1, kv_blocks=1)
     with_memory_for(monkeypatch, probe, 100)        # the default pool (16 x 512 tokens) would be cut

@@ -211,18 +211,20 @@ class Engine:
         return KVPoolSize(n_blocks, context, sized_by)
 
     @property
-    def kv_committed_bytes(self) -> int:
-        """KV memory in use: the blocks handed out so far (the allocator hands out the lowest ids
-        first and reuses freed ones), or the whole pool for a library that commits it at create."""
+    def kv_bytes_touched(self) -> int:
+        """KV blocks ever handed out x block bytes (the allocator hands out the lowest ids first and
+        reuses freed ones), or the whole pool for a library that commits it at create: a lower
+        bound of the KV memory committed (with transparent huge pages each layer's K and V pool
+        commits in steps of up to 2 MiB, more than the blocks written)."""
         blocks = self.kv.fresh if self.kv_on_demand else self.kv.n_blocks
         return blocks * self.kv_block_bytes
 
     def kv_summary(self) -> str:
-        """The line ``infeng serve`` logs at start: the pool, what is committed, and what sized it."""
+        """The line ``infeng serve`` logs at start: the pool, the blocks touched, and what sized it."""
         kv = self.kv
         growth = "committed as blocks are used" if self.kv_on_demand else "committed at load"
         return (f"KV cache: {kv.n_blocks} blocks of {self.block_size} tokens ({_mib(self.kv_block_bytes)} each), "
-                f"{_mib(self.kv_committed_bytes)} committed / up to {_mib(kv.n_blocks * self.kv_block_bytes)} "
+                f"{_mib(self.kv_bytes_touched)} touched / up to {_mib(kv.n_blocks * self.kv_block_bytes)} "
                 f"({growth}), max context {self.max_context}, max sequences {kv.max_seqs}; sized by {self.kv_sized_by}")
 
     @classmethod

@@ -83,7 +83,7 @@ def test_default_pool_holds_max_seqs_of_the_model_context(artifact):
     model_context = engine.manifest["meta"]["max_position_embeddings"]
     assert engine.max_context == model_context
     assert engine.kv.n_blocks == 16 * -(-model_context // engine.block_size) and engine.kv.max_seqs == 16
-    assert engine.kv_on_demand and engine.kv_committed_bytes == 0
+    assert engine.kv_on_demand and engine.kv_bytes_touched == 0
     assert f"max context {model_context}, max sequences 16" in engine.kv_summary()
     assert f"16 sequences x the model's {model_context}-token context" in engine.kv_summary()
 
@@ -112,6 +112,24 @@ def test_too_little_memory_for_one_default_sequence_is_refused(long_context_arti
     assert Engine(long_context_artifact, threads=1).max_context >= MIN_DEFAULT_CONTEXT
 
 
+def test_a_pool_the_kernel_will_not_reserve_is_one_line(artifact):
+    """The KV mapping refused (here by an address-space limit; with vm.overcommit_memory=2, by
+    the commit limit): one line that says what to lower."""
+    import subprocess
+    import sys
+
+    if (available_memory() or 0) < 5 * 2**30:
+        pytest.skip("needs 5 GiB available: a smaller machine refuses the 4 GiB pool before the mapping")
+    script = (f"import resource; from infeng_runtime.engine import Engine\n"
+              f"limit = 2**30 + int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
+              f"resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
+              f"Engine({str(artifact)!r}, threads=1, max_seqs=1, kv_memory=4 * 2**30)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert re.search(r"cannot reserve \d+ MiB of address space for \d+ KV blocks .*: lower --kv-memory or "
+                     r"--max-context", result.stderr), result.stderr[-2000:]
+
+
 def test_asked_sizes_fix_the_pool(artifact, monkeypatch):
     probe = Engine(artifact, threads=1, max_seqs=1, kv_blocks=1)
     with_memory_for(monkeypatch, probe, 100)        # the default pool (16 x 512 tokens) would be cut
@@ -134,9 +152,9 @@ def test_pool_memory_is_committed_as_blocks_are_used(artifact):
     n = 4000
     engine.step(np.arange(n) % 200 + 3, np.arange(n), np.zeros(n, dtype=np.int32), logits_rows=[n - 1])
     committed = -(-n // engine.block_size) * engine.kv_block_bytes
-    assert engine.kv_committed_bytes == committed
+    assert engine.kv_bytes_touched == committed
     assert rss_bytes() - before >= committed                          # the rows written are memory now
-    assert f"{committed / MiB:.0f} MiB committed" in engine.kv_summary()
+    assert f"{committed / MiB:.0f} MiB touched" in engine.kv_summary()
 
 
 def test_an_exhausted_pool_refuses_or_preempts(artifact):
@@ -154,7 +172,7 @@ def test_an_exhausted_pool_refuses_or_preempts(artifact):
     tight = LLM(artifact, threads=1, max_seqs=4, kv_blocks=6)      # 96 tokens for four sequences of ~30
     assert [c.text for c in tight.generate(prompts, params)] == expected
     assert tight.loop.scheduler.stats.preemptions > 0
-    assert tight.loop.snapshot()["kv_bytes_committed"] == 6 * tight.engine.kv_block_bytes   # the cap, reached
+    assert tight.loop.snapshot()["kv_bytes_touched"] == 6 * tight.engine.kv_block_bytes   # the cap, reached
     with pytest.raises(RequestError, match="context is 96 tokens"):
         tight.generate(["word " * 100], params)
     tight.close()
@@ -164,7 +182,7 @@ def test_serve_logs_the_pool_at_start(artifact, tmp_path):
     log = tmp_path / "serve.log"
     with server_process(artifact, "--log-level", "info", "--max-seqs", "3", "--max-context", "100", log=log):
         pass
-    assert re.search(r"KV cache: 21 blocks of 16 tokens \(\d+ KiB each\), 0 MiB committed / up to \d+ \S+ "
+    assert re.search(r"KV cache: 21 blocks of 16 tokens \(\d+ KiB each\), 0 MiB touched / up to \d+ \S+ "
                      r"\(committed as blocks are used\), max context 100, max sequences 3", log.read_text())
 
 
@@ -186,5 +204,5 @@ def test_smollm2_server_starts_under_1gb(tmp_path):
         after_request = rss_bytes(proc.pid)
     assert at_start < 1e9 and after_request < 1e9, (at_start, after_request)
     line = next(line for line in log.read_text().splitlines() if "KV cache:" in line)
-    assert re.search(r"\d+ blocks of 16 tokens \(720 KiB each\), 0 MiB committed / up to \d+ MiB "
+    assert re.search(r"\d+ blocks of 16 tokens \(720 KiB each\), 0 MiB touched / up to \d+ MiB "
                      r"\(committed as blocks are used\), max context \d+, max sequences 16", line), line

@@ -511,6 +511,8 @@ def compile_command(model: Optional[str] = typer.Argument(None, help="model dir,
     """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
     from rich.table import Table
 
+    from infeng_common.manifest import read_manifest, weight_storage
+
     from .compile import compile_model, replay_options
 
     if replay is not None:
@@ -534,7 +536,7 @@ def compile_command(model: Optional[str] = typer.Argument(None, help="model dir,
     table.add_row("kv cache", f"{options.kv}" + (f", last {options.kv_window} tokens f16" if options.kv_window else "")
                   + (", K centred" if summary.kv_centred else "") + f", {summary.kv_bytes_per_token:g} bytes/token")
     table.add_row("weights", f"{summary.weights_bytes / 2**20:.1f} MiB, matrices stored as "
-                  f"{_matrix_formats(output)}")
+                  f"{weight_storage(read_manifest(output))}")
     table.add_row("kernels rendered", str(summary.kernels))
     table.add_row("build cache", "hit" if summary.cache_hit else "miss")
     for name, seconds in summary.stages.items():
@@ -551,17 +553,6 @@ def compile_command(model: Optional[str] = typer.Argument(None, help="model dir,
         for note in notes:                      # lines of their own: a table caption would break them
             err.print(f"  {note}", highlight=False)
     err.print(f"compiled {output}", highlight=False)
-
-
-def _matrix_formats(artifact: Path) -> str:
-    """``q4g32m x120, q8g32 x1``: what the artifact's matrices are stored as (a GGUF's 4-bit
-    matrices stay 4-bit whatever the cast-weights dtype, which applies to float matrices)."""
-    from collections import Counter
-
-    from infeng_common.manifest import read_manifest
-
-    formats = Counter(t["format"] for t in read_manifest(artifact)["tensors"] if len(t["shape"]) >= 2)
-    return ", ".join(f"{name} x{count}" for name, count in formats.most_common())
 
 
 def quant_table(report):
@@ -641,7 +632,7 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
     A model with a chat template gets PROMPT as a user message, as `infeng chat` and the chat API
     send it (`--raw` continues the text as it is). The engine loop and scheduler are those of
     `infeng serve`: the same request gives the same text."""
-    from infeng_runtime.chat import render_chat, template_source
+    from infeng_runtime.chat import chat_prompt_ids, template_source
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
     from infeng_runtime.speculative import parse_speculative
@@ -658,7 +649,7 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
     if templated:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + \
             [{"role": "user", "content": prompt}]
-        ids: str | list[int] = llm.tokenizer.encode(render_chat(llm.tokenizer, messages), add_bos=False)
+        ids: str | list[int] = chat_prompt_ids(llm.tokenizer, messages)
     else:
         ids = prompt
     label = f"compiled, {llm.engine.threads} threads" + (f", adapter {use}" if use else "")
@@ -1041,7 +1032,7 @@ def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
     """Compile the real model and ask it ``questions``. Its int4 weights are the file's Q4_1 matrices
     bit for bit (q4g32m): the measured best of infeng's 4-bit options on it (docs/performance.md,
     *Real model quality*), computing what llama.cpp computes on the same file."""
-    from infeng_runtime.chat import render_chat
+    from infeng_runtime.chat import chat_prompt_ids
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
 
@@ -1064,9 +1055,9 @@ def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
     tokenizer = llm.tokenizer
     label = f"compiled, {llm.engine.threads} threads"
     for question in questions:
-        text = render_chat(tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True)
+        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
         err.print(f"[bold]user:[/] {escape(question)}")
-        stream = llm.stream(tokenizer.encode(text, add_bos=False), SamplingParams(max_new_tokens=max_new_tokens))
+        stream = llm.stream(ids, SamplingParams(max_new_tokens=max_new_tokens))
         _print_stream("assistant: ", stream, lambda: stream.completion, False, label)
 
 

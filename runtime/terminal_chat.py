@@ -19,7 +19,7 @@ from typing import Callable, Iterator, TextIO
 
 from infeng_common.errors import InfengError
 
-from .chat import render_chat, template_source
+from .chat import chat_prompt_ids, template_source
 from .llm import LLM, Completion
 from .sampling import SamplingParams
 
@@ -96,9 +96,7 @@ class ChatSession:
         the oldest turns are left out (two at a time: a question and its answer) until it fits."""
         room = self.llm.engine.max_context - self.answer_budget
         while True:
-            text = render_chat(self.llm.tokenizer, self.messages() + [{"role": "user", "content": user_text}],
-                               add_generation_prompt=True)
-            ids = self.llm.tokenizer.encode(text, add_bos=False)
+            ids = chat_prompt_ids(self.llm.tokenizer, self.messages() + [{"role": "user", "content": user_text}])
             if len(ids) <= room or not self.turns:
                 break
             del self.turns[:2]

@@ -1,9 +1,11 @@
 """``infeng chat`` and ``infeng run`` with a chat template: the prompt is what the chat API renders,
 the conversation keeps its turns, commands change the system prompt and the adapter, and a stopped
 or failed answer leaves the chat running. stories260K with a Llama-2-style template and LoRA slots
-(tests/_serving.py), against the offline API fed the same rendered prompts."""
+(tests/_serving.py), against the offline API fed the prompts transformers' apply_chat_template
+makes of the same messages."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -14,7 +16,6 @@ from _serving import adapters, infeng_command, nonfinite_artifact, served_artifa
 from typer.testing import CliRunner
 
 from infeng_compiler.cli import app
-from infeng_runtime.chat import render_chat
 from infeng_runtime.llm import LLM
 from infeng_runtime.sampling import SamplingParams
 
@@ -36,10 +37,40 @@ def llm(artifact: Path, adapter_dirs: dict[str, Path]):
     engine.close()
 
 
+@functools.lru_cache(maxsize=2)
+def hf_tokenizer(artifact: Path):
+    """transformers' tokenizer over the artifact's tokenizer.json as it is. (AutoTokenizer would
+    build transformers 5's LlamaTokenizer, which rebuilds the pipeline from tokenizer_config's
+    ``legacy: false`` and adds no "▁" after a special token: [1, 471, ...] for "<s>User:" where
+    the file itself, through tokenizers, gives [1, 410, 471, ...]; a tokenizer question, not a
+    chat template one.)"""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(artifact))
+
+
+def hf_prompt_ids(artifact: Path, messages: list[dict]) -> list[int]:
+    """The prompt transformers makes of ``messages`` with the artifact's tokenizer and chat
+    template: the independent reference for what chat and run send."""
+    ids = hf_tokenizer(artifact).apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def reference(llm: LLM, messages: list[dict], n: int, adapter: str | None = None) -> str:
-    """The greedy answer to ``messages`` rendered by the model's template, through the offline API."""
-    ids = llm.tokenizer.encode(render_chat(llm.tokenizer, messages), add_bos=False)
+    """The greedy answer to ``messages`` as transformers renders and encodes them, through the
+    offline API."""
+    ids = hf_prompt_ids(llm.engine.path, messages)
     return llm.generate([ids], SamplingParams(max_new_tokens=n), adapter=adapter)[0].text
+
+
+def test_chat_prompt_ids_are_transformers_apply_chat_template(llm):
+    from infeng_runtime.chat import chat_prompt_ids
+
+    for messages in ([{"role": "user", "content": "Once upon a time"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Once there was a cat."},
+                      {"role": "user", "content": "Tell me more, über-kurz!"}]):
+        assert chat_prompt_ids(llm.tokenizer, messages) == hf_prompt_ids(llm.engine.path, messages)
 
 
 def chat(artifact: Path, lines: list[str], *args: str):
@@ -196,8 +227,7 @@ def test_run_applies_the_chat_template(artifact, llm):
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["text"] == reference(llm, [{"role": "user", "content": prompt}], 12)
-    rendered = llm.tokenizer.encode(render_chat(llm.tokenizer, [{"role": "user", "content": prompt}]), add_bos=False)
-    assert out["prompt_tokens"] == len(rendered)
+    assert out["prompt_tokens"] == len(hf_prompt_ids(artifact, [{"role": "user", "content": prompt}]))
     system = CliRunner().invoke(app, ["run", str(artifact), prompt, "-n", "12", "--threads", "1", "--json",
                                       "--system", "Be brief"])
     assert json.loads(system.stdout)["text"] == reference(

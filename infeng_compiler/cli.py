@@ -17,6 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from infeng_common.errors import InfengError
+from infeng_runtime.engine import DEFAULT_MAX_SEQS
 
 class _ReadableParams:
     """Help that reads at 80 columns. typer 0.29's rich options panel prints each option's type
@@ -115,8 +116,11 @@ def fails_cleanly(fn: Callable) -> Callable:
         except OSError as e:
             if e.filename is None:              # not about a file the user named
                 raise
-            err.print(f"[bold red]error:[/] {escape(str(e.filename))}: {escape(e.strerror or str(e)).lower()}",
-                      highlight=False, soft_wrap=True)
+            # only strerror's first letter is lowered ("permission denied"); the path keeps its case
+            reason = e.strerror[:1].lower() + e.strerror[1:] if e.strerror else \
+                " ".join(map(str, e.args)) or type(e).__name__
+            err.print(f"[bold red]error:[/] {escape(str(e.filename))}: {escape(reason)}", highlight=False,
+                      soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("interrupted")
@@ -126,8 +130,11 @@ def fails_cleanly(fn: Callable) -> Callable:
 
 
 def progress_bar(transient: bool = True) -> Progress:
+    """A progress bar on stderr; a transient one is not shown off a terminal (where it could not be
+    erased and left a blank line, before an error's line too)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TimeRemainingColumn(), console=err, transient=transient)
+                    TimeRemainingColumn(), console=err, transient=transient,
+                    disable=transient and not err.is_terminal)
 
 
 class IRFormat(str, Enum):
@@ -738,7 +745,8 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                   host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback: this machine only)"),
                   port: int = PORT,
                   threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
-                  max_seqs: int = typer.Option(16, "--max-seqs", help="sequences batched together (KV slots)"),
+                  max_seqs: int = typer.Option(DEFAULT_MAX_SEQS, "--max-seqs",
+                                               help="sequences batched together (KV slots)"),
                   max_context: Optional[int] = MAX_CONTEXT,
                   kv_memory: Optional[str] = typer.Option(None, "--kv-memory",
                                                           help="KV pool size, e.g. 512MiB, committed as it is used "
@@ -855,7 +863,8 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                                                                "one per node)"),
                       host: str = typer.Option("127.0.0.1", "--host", help="bind address of Ray's HTTP proxy"),
                       port: int = PORT,
-                      max_seqs: int = typer.Option(16, "--max-seqs", help="sequences batched per replica"),
+                      max_seqs: int = typer.Option(DEFAULT_MAX_SEQS, "--max-seqs",
+                                                   help="sequences batched per replica"),
                       max_context: Optional[int] = MAX_CONTEXT,
                       max_queue: int = typer.Option(256, "--max-queue",
                                                     help="waiting sequences per replica before 429"),

@@ -19,6 +19,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 from infeng_common.errors import InfengError
 from infeng_runtime.engine import DEFAULT_MAX_SEQS
 
+
 class _ReadableParams:
     """Help that reads at 80 columns. typer 0.29's rich options panel prints each option's type
     (``<bool>`` on every flag, ``<list[str]>``, ``<int range> [x>=1]``, a choice list that breaks

@@ -23,10 +23,11 @@ from infeng_runtime.engine import DEFAULT_MAX_SEQS
 class _ReadableParams:
     """Help that reads at 80 columns. typer 0.29's rich options panel prints each option's type
     (``<bool>`` on every flag, ``<list[str]>``, ``<int range> [x>=1]``, a choice list that breaks
-    mid-word) and the usage line a ``{model}``. So: a flag shows nothing, an option with no
-    metavar of its own shows one from its type (N, X, TEXT, PATH; a choice shows the option's name,
-    KV, and its choices go into the help text), a number's range is not printed (the value is
-    still checked), and the usage line names arguments in capitals: ``infeng chat [OPTIONS] MODEL``."""
+    mid-word), ``<str>`` after each argument and the usage line a ``{model}``. So: a flag and an
+    argument show no type, an option with no metavar of its own shows one from its type (N, X,
+    TEXT, PATH; a choice shows the option's name, KV, and its choices go into the help text), a
+    number's range is not printed (the value is still checked), and the usage line names arguments
+    in capitals: ``infeng chat [OPTIONS] MODEL``."""
 
     def get_params(self, ctx: typer.Context) -> list:
         params = super().get_params(ctx)
@@ -36,6 +37,7 @@ class _ReadableParams:
             param._readable = True
             if isinstance(param, TyperArgument):
                 param.metavar = param.metavar or param.name.upper()
+                param.display_type_rich = lambda ctx: None           # MODEL, not MODEL <str>
             elif isinstance(param, TyperOption) and param.metavar is None:
                 param.metavar = "" if param.is_flag else _metavar(param)
             if param.min is not None or param.max is not None:
@@ -412,7 +414,7 @@ def _kv_bytes_per_token(runner) -> float:
 @app.command("generate")
 @fails_cleanly
 def generate_command(model: Path = typer.Argument(..., help="model directory or Hub id org/name[@rev]"),
-                     prompt: str = typer.Argument(...),
+                     prompt: str = typer.Argument(..., help="the text to answer or continue"),
                      max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="most tokens to generate"),
                      temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
                      top_p: float = typer.Option(1.0, "--top-p",
@@ -620,7 +622,7 @@ ALWAYS_INCLUDE_USAGE = typer.Option(False, "--always-include-usage",
 @app.command("run")
 @fails_cleanly
 def run_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
-                prompt: str = typer.Argument(...),
+                prompt: str = typer.Argument(..., help="the text to answer or continue"),
                 max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="most tokens to generate"),
                 temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
                 top_p: float = typer.Option(1.0, "--top-p", help="keep the likeliest tokens up to this probability"),

@@ -214,11 +214,19 @@ def test_chat_ctrl_c_stops_the_answer_not_the_program(artifact):
         proc.stdout.read(20)                        # the answer streams
         time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
+        proc.stdin.write("Tell me more\n")          # the next answer: Ctrl-C stops it too
+        proc.stdin.flush()
+        seen = ""
+        while not seen.endswith(">>> "):
+            seen += proc.stdout.read(1)
+        proc.stdout.read(20)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
         out, err = proc.communicate("/exit\n", timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 0, err
-    assert "(stopped)" in err and "Traceback" not in err
+    assert err.count("(stopped)") == 2 and "Traceback" not in err
 
 
 def test_run_applies_the_chat_template(artifact, llm):

@@ -55,6 +55,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import PEER, QUANT_TYPES, emit, ensure_artifact, ensure_gguf, ensure_model  # noqa: E402
 
+from infeng_common.manifest import weight_storage  # noqa: E402
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -336,7 +338,7 @@ def main() -> None:
         gguf = None if args.no_peer or args.scheduler_only else ensure_gguf(model, args)
     manifest = json.loads((artifact / "manifest.json").read_text())
     vocab = manifest["constants"]["vocab_size"]
-    common = dict(model=manifest["name"], dtype=manifest.get("dtype"), target=manifest["target"],
+    common = dict(model=manifest["name"], weights=weight_storage(manifest), target=manifest["target"],
                   threads=args.threads, prompt_len=args.prompt_len, max_tokens=args.max_tokens)
 
     if args.scheduler_only:

@@ -1,4 +1,7 @@
 """Errors a user can act on. The CLI prints their message on one line and exits with code 2."""
+from __future__ import annotations
+
+from pathlib import Path
 
 
 class InfengError(Exception):
@@ -15,3 +18,9 @@ class UnsupportedError(InfengError):
 
 class IRError(InfengError):
     """IR text that does not parse, or a graph that does not verify."""
+
+
+def not_a_file(path: str | Path) -> str:
+    """The one wording for a named file that cannot be read as one: "PATH: no such file or
+    directory", or "PATH: is a directory, not a file"."""
+    return f"{path}: is a directory, not a file" if Path(path).is_dir() else f"{path}: no such file or directory"

@@ -92,3 +92,13 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def weight_storage(manifest: dict) -> str:
+    """The storage formats of the artifact's matrices, most bytes first (``q4g32m+q8g32`` for a GGUF
+    Q4_1 file's: what decode reads; the manifest's ``dtype`` is only the cast of float matrices)."""
+    nbytes: dict[str, int] = {}
+    for t in manifest["tensors"]:
+        if len(t["shape"]) >= 2:
+            nbytes[t["format"]] = nbytes.get(t["format"], 0) + t["nbytes"]
+    return "+".join(sorted(nbytes, key=lambda f: -nbytes[f])) or manifest["dtype"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ModelFormatError
+from .errors import ModelFormatError, not_a_file
 
 #: safetensors dtype names -> IR element types. U8 tensors are MXFP4 blocks and scales (GPT-OSS),
 #: which the frontend reads as one packed weight (``frontends/mxfp4.py``), never as a u8 IR weight.
@@ -41,7 +41,7 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
     contiguous, non-overlapping and covering exactly the data after the header."""
     path = Path(path)
     if not path.is_file():
-        raise ModelFormatError(f"{path}: file not found")
+        raise ModelFormatError(not_a_file(path))
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)

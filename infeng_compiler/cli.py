@@ -5,6 +5,7 @@ import functools
 import json
 import sys
 import time
+import typing
 from enum import Enum
 from pathlib import Path
 from typing import Callable, Optional
@@ -13,28 +14,65 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-from typer.core import TyperCommand, TyperGroup, TyperOption
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from infeng_common.errors import InfengError
+from infeng_runtime.engine import DEFAULT_MAX_SEQS
 
-class _FlagsWithoutType:
-    """Help that shows no value type for a flag. typer 0.29's rich options panel prints every option's
-    type, so each flag (``--help`` too) read ``<bool>`` although it takes no value; its plain help
-    skips flags. An empty metavar is what that panel prints instead of the type."""
+
+class _ReadableParams:
+    """Help that reads at 80 columns. typer 0.29's rich options panel prints each option's type
+    (``<bool>`` on every flag, ``<list[str]>``, ``<int range> [x>=1]``, a choice list that breaks
+    mid-word), ``<str>`` after each argument and the usage line a ``{model}``. So: a flag and an
+    argument show no type, an option with no metavar of its own shows one from its type (N, X,
+    TEXT, PATH; a choice shows the option's name, KV, and its choices go into the help text), a
+    number's range is not printed (the value is still checked), and the usage line names arguments
+    in capitals: ``infeng chat [OPTIONS] MODEL``."""
 
     def get_params(self, ctx: typer.Context) -> list:
         params = super().get_params(ctx)
         for param in params:
-            if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
-                param.metavar = ""
+            if getattr(param, "_readable", False):
+                continue
+            param._readable = True
+            if isinstance(param, TyperArgument):
+                param.metavar = param.metavar or param.name.upper()
+                param.display_type_rich = lambda ctx: None           # MODEL, not MODEL <str>
+            elif isinstance(param, TyperOption) and param.metavar is None:
+                param.metavar = "" if param.is_flag else _metavar(param)
+            if param.min is not None or param.max is not None:
+                param._get_number_range_help_str = lambda: None
         return params
 
+    def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperArgument):
+                name = param.metavar + ("..." if param.nargs != 1 else "")
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
 
-class _Command(_FlagsWithoutType, TyperCommand):
+
+def _metavar(option: TyperOption) -> str:
+    """An option's metavar from its type; a choice's values are appended to its help."""
+    described = option.type_descriptor
+    if described.is_choice:
+        choices = [str(getattr(c, "value", c)) for c in described.choices]
+        if not all(c in (option.help or "") for c in choices):
+            option.help = f"{option.help or ''} (one of {', '.join(choices)})".strip()
+        return option.name.upper()
+    if described.is_path:
+        return "PATH"
+    annotation = described.annotation
+    element = typing.get_args(annotation)[0] if described.is_list else annotation
+    return {int: "N", float: "X"}.get(element, "TEXT")
+
+
+class _Command(_ReadableParams, TyperCommand):
     pass
 
 
-class _Group(_FlagsWithoutType, TyperGroup):
+class _Group(_ReadableParams, TyperGroup):
     pass
 
 
@@ -81,8 +119,11 @@ def fails_cleanly(fn: Callable) -> Callable:
         except OSError as e:
             if e.filename is None:              # not about a file the user named
                 raise
-            err.print(f"[bold red]error:[/] {escape(str(e.filename))}: {escape(e.strerror or str(e)).lower()}",
-                      highlight=False, soft_wrap=True)
+            # only strerror's first letter is lowered ("permission denied"); the path keeps its case
+            reason = e.strerror[:1].lower() + e.strerror[1:] if e.strerror else \
+                " ".join(map(str, e.args)) or type(e).__name__
+            err.print(f"[bold red]error:[/] {escape(str(e.filename))}: {escape(reason)}", highlight=False,
+                      soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("interrupted")
@@ -92,8 +133,11 @@ def fails_cleanly(fn: Callable) -> Callable:
 
 
 def progress_bar(transient: bool = True) -> Progress:
+    """A progress bar on stderr; a transient one is not shown off a terminal (where it could not be
+    erased and left a blank line, before an error's line too)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TimeRemainingColumn(), console=err, transient=transient)
+                    TimeRemainingColumn(), console=err, transient=transient,
+                    disable=transient and not err.is_terminal)
 
 
 class IRFormat(str, Enum):
@@ -132,8 +176,8 @@ DTYPE = typer.Option(None, "--dtype", help="weight storage for matrices (default
                                             "a GGUF's Q8_0/Q4_0/Q4_1 matrices, which are kept exact otherwise)")
 PASSES = typer.Option(None, "--passes", help="explicit pass pipeline")
 MAX_TOKENS = typer.Option(256, "--max-tokens", min=1, help="most token rows per forward call")
-LORA = typer.Option([], "--lora", help="NAME=DIR: a PEFT LoRA adapter (repeatable)")
-MERGE = typer.Option([], "--merge", help="fold adapter NAME into the weights")
+LORA = typer.Option([], "--lora", metavar="NAME=DIR", help="a PEFT LoRA adapter (repeatable)")
+MERGE = typer.Option([], "--merge", metavar="NAME", help="fold adapter NAME into the weights")
 MAX_ADAPTERS = typer.Option(0, "--max-adapters", min=0, help="LoRA slots for adapters loaded at run time")
 MAX_RANK = typer.Option(None, "--max-rank", min=1, help="max LoRA rank per slot (default: 16, or the largest "
                                                           "--lora adapter's rank above it)")
@@ -168,7 +212,7 @@ def compile_options(target: str, dtype: DType | None, passes: str | None, max_to
 
 @app.command("ir")
 @fails_cleanly
-def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, .onnx, .gguf, Hub id org/name[@rev] "
+def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .onnx, .gguf, Hub id org/name[@rev] "
                                                        "or an artifact"),
                format: IRFormat = typer.Option(IRFormat.text, "--format", help="text, json, dot or onnx (needs -o)"),
                output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
@@ -201,7 +245,7 @@ def ir_command(model: Path = typer.Argument(..., help="model dir, .safetensors, 
     if is_artifact(model):                      # the final IR the artifact was built from
         if after or format != IRFormat.text:
             raise InfengError(f"{model}: is a compiled artifact; it keeps its final IR only (ir.txt, text)")
-        _write_text((model / "ir.txt").read_text(), output)
+        _write_text((Path(model) / "ir.txt").read_text(), output)
         return
     options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank, lora_targets,
                               tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window)
@@ -370,13 +414,14 @@ def _kv_bytes_per_token(runner) -> float:
 @app.command("generate")
 @fails_cleanly
 def generate_command(model: Path = typer.Argument(..., help="model directory or Hub id org/name[@rev]"),
-                     prompt: str = typer.Argument(...),
-                     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
+                     prompt: str = typer.Argument(..., help="the text to answer or continue"),
+                     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="most tokens to generate"),
                      temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
-                     top_p: float = typer.Option(1.0, "--top-p"),
-                     top_k: int = typer.Option(0, "--top-k"),
-                     seed: Optional[int] = typer.Option(None, "--seed"),
-                     as_json: bool = typer.Option(False, "--json"),
+                     top_p: float = typer.Option(1.0, "--top-p",
+                                                 help="keep the likeliest tokens up to this probability"),
+                     top_k: int = typer.Option(0, "--top-k", help="sample among the N most likely tokens (0 = all)"),
+                     seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (default: random)"),
+                     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
                      tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer dir (ONNX)")):
     """Continue PROMPT with the reference interpreter (slow, exact)."""
     from infeng_runtime.sampling import SamplingParams
@@ -455,7 +500,7 @@ def parse_named_paths(items: list[str], option: str) -> dict[str, Path]:
 
 @app.command("compile")
 @fails_cleanly
-def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir, .safetensors, .onnx, .gguf or Hub "
+def compile_command(model: Optional[str] = typer.Argument(None, help="model dir, .safetensors, .onnx, .gguf or Hub "
                                                                       "id org/name[@rev]"),
                     output: Path = typer.Option(..., "-o", "--output", help="artifact directory to write"),
                     replay: Optional[Path] = typer.Option(None, "--replay",
@@ -475,6 +520,8 @@ def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir
                     kv: KVScheme = KV, kv_window: int = KV_WINDOW):
     """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
     from rich.table import Table
+
+    from infeng_common.manifest import read_manifest, weight_storage
 
     from .compile import compile_model, replay_options
 
@@ -499,7 +546,7 @@ def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir
     table.add_row("kv cache", f"{options.kv}" + (f", last {options.kv_window} tokens f16" if options.kv_window else "")
                   + (", K centred" if summary.kv_centred else "") + f", {summary.kv_bytes_per_token:g} bytes/token")
     table.add_row("weights", f"{summary.weights_bytes / 2**20:.1f} MiB, matrices stored as "
-                  f"{_matrix_formats(output)}")
+                  f"{weight_storage(read_manifest(output))}")
     table.add_row("kernels rendered", str(summary.kernels))
     table.add_row("build cache", "hit" if summary.cache_hit else "miss")
     for name, seconds in summary.stages.items():
@@ -516,17 +563,6 @@ def compile_command(model: Optional[Path] = typer.Argument(None, help="model dir
         for note in notes:                      # lines of their own: a table caption would break them
             err.print(f"  {note}", highlight=False)
     err.print(f"compiled {output}", highlight=False)
-
-
-def _matrix_formats(artifact: Path) -> str:
-    """``q4g32m x120, q8g32 x1``: what the artifact's matrices are stored as (a GGUF's 4-bit
-    matrices stay 4-bit whatever the cast-weights dtype, which applies to float matrices)."""
-    from collections import Counter
-
-    from infeng_common.manifest import read_manifest
-
-    formats = Counter(t["format"] for t in read_manifest(artifact)["tensors"] if len(t["shape"]) >= 2)
-    return ", ".join(f"{name} x{count}" for name, count in formats.most_common())
 
 
 def quant_table(report):
@@ -557,7 +593,7 @@ SPECULATIVE = typer.Option(None, "--speculative",
 
 
 #: Options `serve` and `serve-ray` share (each replica of serve-ray takes them as `serve` does).
-PORT = typer.Option(8000, "--port")
+PORT = typer.Option(8000, "--port", help="TCP port to listen on")
 MAX_CONTEXT = typer.Option(None, "--max-context",
                            help="tokens per sequence; with --max-seqs it fixes the KV pool (default: the model's, "
                                 "cut to what the default pool holds)")
@@ -577,7 +613,7 @@ GRAMMAR_MASK_TIMEOUT = typer.Option(5.0, "--grammar-mask-timeout",
                                          "with an error past it)")
 MAX_GRAMMAR_BYTES = typer.Option("64KiB", "--max-grammar-bytes",
                                  help="largest grammar, regex, JSON schema or choice list (400 beyond it)")
-LOG_LEVEL = typer.Option("info", "--log-level")
+LOG_LEVEL = typer.Option("info", "--log-level", help="trace, debug, info, warning, error or critical")
 ALWAYS_INCLUDE_USAGE = typer.Option(False, "--always-include-usage",
                                     help="end every stream with a usage chunk, whether or not the request asks "
                                          "(vLLM's --enable-force-include-usage)")
@@ -586,26 +622,27 @@ ALWAYS_INCLUDE_USAGE = typer.Option(False, "--always-include-usage",
 @app.command("run")
 @fails_cleanly
 def run_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
-                prompt: str = typer.Argument(...),
-                max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
+                prompt: str = typer.Argument(..., help="the text to answer or continue"),
+                max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="most tokens to generate"),
                 temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
-                top_p: float = typer.Option(1.0, "--top-p"),
-                top_k: int = typer.Option(0, "--top-k"),
-                seed: Optional[int] = typer.Option(None, "--seed"),
+                top_p: float = typer.Option(1.0, "--top-p", help="keep the likeliest tokens up to this probability"),
+                top_k: int = typer.Option(0, "--top-k", help="sample among the N most likely tokens (0 = all)"),
+                seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (default: random)"),
                 threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
-                adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: load a LoRA adapter (repeatable)"),
-                use: Optional[str] = typer.Option(None, "--use", help="generate with adapter NAME"),
+                adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
+                                                  help="load a LoRA adapter (repeatable)"),
+                use: Optional[str] = typer.Option(None, "--use", metavar="NAME", help="generate with adapter NAME"),
                 raw: bool = typer.Option(False, "--raw", help="continue PROMPT as plain text, without the model's "
                                                              "chat template"),
                 system: Optional[str] = typer.Option(None, "--system", help="system prompt (chat template only)"),
                 speculative: Optional[str] = SPECULATIVE,
-                as_json: bool = typer.Option(False, "--json")):
+                as_json: bool = typer.Option(False, "--json", help="print one JSON object")):
     """Answer PROMPT with a compiled artifact, streaming text, and print tok/s.
 
     A model with a chat template gets PROMPT as a user message, as `infeng chat` and the chat API
     send it (`--raw` continues the text as it is). The engine loop and scheduler are those of
     `infeng serve`: the same request gives the same text."""
-    from infeng_runtime.chat import render_chat, template_source
+    from infeng_runtime.chat import chat_prompt_ids, template_source
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
     from infeng_runtime.speculative import parse_speculative
@@ -622,7 +659,7 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
     if templated:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + \
             [{"role": "user", "content": prompt}]
-        ids: str | list[int] = llm.tokenizer.encode(render_chat(llm.tokenizer, messages), add_bos=False)
+        ids: str | list[int] = chat_prompt_ids(llm.tokenizer, messages)
     else:
         ids = prompt
     label = f"compiled, {llm.engine.threads} threads" + (f", adapter {use}" if use else "")
@@ -640,22 +677,23 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
 
 @app.command("chat")
 @fails_cleanly
-def chat_command(model: Path = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
+def chat_command(model: str = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
                                                            "compiled into the artifact cache first"),
                  system: Optional[str] = typer.Option(None, "--system", help="system prompt"),
                  max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", min=1,
                                                     help="most tokens per answer"),
                  temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
-                 top_p: float = typer.Option(1.0, "--top-p"),
-                 top_k: int = typer.Option(0, "--top-k"),
-                 seed: Optional[int] = typer.Option(None, "--seed"),
+                 top_p: float = typer.Option(1.0, "--top-p", help="keep the likeliest tokens up to this probability"),
+                 top_k: int = typer.Option(0, "--top-k", help="sample among the N most likely tokens (0 = all)"),
+                 seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (default: random)"),
                  threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
                  max_context: Optional[int] = typer.Option(None, "--max-context", min=1,
                                                            help="tokens the conversation may hold (default: the "
                                                                 "model's)"),
-                 adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: load a LoRA adapter "
-                                                                        "(repeatable; /adapter NAME answers with it)"),
-                 use: Optional[str] = typer.Option(None, "--use", help="start with adapter NAME"),
+                 adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
+                                                    help="load a LoRA adapter (repeatable; /adapter NAME answers "
+                                                         "with it)"),
+                 use: Optional[str] = typer.Option(None, "--use", metavar="NAME", help="start with adapter NAME"),
                  target: str = TARGET, dtype: Optional[DType] = DTYPE,
                  max_adapters: Optional[int] = typer.Option(None, "--max-adapters", min=0,
                                                             help="LoRA slots when compiling MODEL (default: 4 with "
@@ -703,14 +741,15 @@ def parse_size(text: str, option: str) -> int:
 
 @app.command("serve")
 @fails_cleanly
-def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
+def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
                                                            "compiled into the artifact cache first"),
-                  adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: serve a LoRA adapter as model "
-                                                                       "NAME (repeatable)"),
+                  adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
+                                                     help="serve a LoRA adapter as model NAME (repeatable)"),
                   host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback: this machine only)"),
                   port: int = PORT,
                   threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
-                  max_seqs: int = typer.Option(16, "--max-seqs", help="sequences batched together (KV slots)"),
+                  max_seqs: int = typer.Option(DEFAULT_MAX_SEQS, "--max-seqs",
+                                               help="sequences batched together (KV slots)"),
                   max_context: Optional[int] = MAX_CONTEXT,
                   kv_memory: Optional[str] = typer.Option(None, "--kv-memory",
                                                           help="KV pool size, e.g. 512MiB, committed as it is used "
@@ -775,7 +814,7 @@ def serve_command(model: Path = typer.Argument(..., help="compiled artifact, or 
     serve(artifact, options)
 
 
-def _serving_artifact(model: Path, target: str, dtype: DType | None, max_tokens: int, max_adapters: int,
+def _serving_artifact(model: str | Path, target: str, dtype: DType | None, max_tokens: int, max_adapters: int,
                       max_rank: int | None, tokenizer: Path | None, quant: QuantPreset | None,
                       quant_policy: Path | None,
                       calib: Path | None, calib_max_bytes: int | None, kv: KVScheme, kv_window: int) -> Path:
@@ -784,7 +823,7 @@ def _serving_artifact(model: Path, target: str, dtype: DType | None, max_tokens:
     from infeng_common.manifest import is_artifact
 
     if is_artifact(model):
-        return model
+        return Path(model)
     from .compile import cached_artifact
 
     compile_opts = compile_options(target, dtype, None, max_tokens, [], [], max_adapters, max_rank, "",
@@ -815,8 +854,9 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                                                               help="CPUs Ray reserves per replica = its threads"),
                       address: Optional[str] = typer.Option(None, "--address",
                                                             help="join this Ray cluster (default: start one here)"),
-                      adapter: list[str] = typer.Option([], "--adapter", help="NAME=DIR: a LoRA adapter requests "
-                                                                           "may name as model NAME (repeatable)"),
+                      adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
+                                                         help="a LoRA adapter requests may name as model NAME "
+                                                              "(repeatable)"),
                       adapters_per_replica: Optional[int] = typer.Option(
                           None, "--adapters-per-replica",
                           help="adapters resident per replica, least recently used evicted (default: the "
@@ -826,7 +866,8 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                                                                "one per node)"),
                       host: str = typer.Option("127.0.0.1", "--host", help="bind address of Ray's HTTP proxy"),
                       port: int = PORT,
-                      max_seqs: int = typer.Option(16, "--max-seqs", help="sequences batched per replica"),
+                      max_seqs: int = typer.Option(DEFAULT_MAX_SEQS, "--max-seqs",
+                                                   help="sequences batched per replica"),
                       max_context: Optional[int] = MAX_CONTEXT,
                       max_queue: int = typer.Option(256, "--max-queue",
                                                     help="waiting sequences per replica before 429"),
@@ -916,8 +957,8 @@ def verify_command(artifact: Path = typer.Argument(..., help="compiled artifact 
 @app.command("bench")
 @fails_cleanly
 def bench_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
-                  prompt_len: int = typer.Option(128, "--prompt-len"),
-                  gen_len: int = typer.Option(64, "--gen-len"),
+                  prompt_len: int = typer.Option(128, "--prompt-len", help="prompt tokens per prefill run"),
+                  gen_len: int = typer.Option(64, "--gen-len", help="tokens generated per decode run"),
                   batch: int = typer.Option(1, "--batch", help="sequences decoded together"),
                   threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
                   profile: bool = typer.Option(False, "--profile", help="per-op table (artifact built with --profile)"),
@@ -976,7 +1017,7 @@ DEMO_QUESTIONS = ("What is the capital of Germany?", "Why is the sky blue?", "Gi
 def demo_command(workdir: Optional[Path] = typer.Option(None, "--dir", help="where to build the synthetic model "
                                                                             "(default: a cache dir)"),
                  prompt: Optional[str] = typer.Option(None, "--prompt", help="ask this instead of the demo questions"),
-                 max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", min=1),
+                 max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", min=1, help="most tokens per answer"),
                  offline: bool = typer.Option(False, "--offline", help="the synthetic model, without fetching")):
     """Chat with a real model: SmolLM2-135M-Instruct, compiled for this CPU with int4 weights.
 
@@ -1003,7 +1044,7 @@ def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
     """Compile the real model and ask it ``questions``. Its int4 weights are the file's Q4_1 matrices
     bit for bit (q4g32m): the measured best of infeng's 4-bit options on it (docs/performance.md,
     *Real model quality*), computing what llama.cpp computes on the same file."""
-    from infeng_runtime.chat import render_chat
+    from infeng_runtime.chat import chat_prompt_ids
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
 
@@ -1026,9 +1067,9 @@ def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
     tokenizer = llm.tokenizer
     label = f"compiled, {llm.engine.threads} threads"
     for question in questions:
-        text = render_chat(tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True)
+        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
         err.print(f"[bold]user:[/] {escape(question)}")
-        stream = llm.stream(tokenizer.encode(text, add_bos=False), SamplingParams(max_new_tokens=max_new_tokens))
+        stream = llm.stream(ids, SamplingParams(max_new_tokens=max_new_tokens))
         _print_stream("assistant: ", stream, lambda: stream.completion, False, label)
 
 

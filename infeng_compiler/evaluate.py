@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from infeng_common.errors import InfengError
+from infeng_common.errors import InfengError, not_a_file
 
 
 @dataclass
@@ -45,7 +45,7 @@ class PerplexityResult:
 def read_text(path: str | Path, max_bytes: int | None = None) -> str:
     path = Path(path)
     if not path.is_file():
-        raise InfengError(f"{path}: file not found")
+        raise InfengError(not_a_file(path))
     raw = path.read_bytes()
     if max_bytes is not None:
         raw = raw[:max_bytes]

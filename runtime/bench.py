@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from infeng_common.manifest import weight_storage
+
 from .engine import Engine
 
 
@@ -20,16 +22,6 @@ class BenchConfig:
     batch: int = 1
     threads: int = 0
     trace_steps: int = 3
-
-
-def weight_storage(manifest: dict) -> str:
-    """The storage formats of the artifact's matrices, most bytes first (``q4g32m+q8g32`` for a GGUF
-    Q4_1 file's: what decode reads; the manifest's ``dtype`` is only the cast of float matrices)."""
-    nbytes: dict[str, int] = {}
-    for t in manifest["tensors"]:
-        if len(t["shape"]) >= 2:
-            nbytes[t["format"]] = nbytes.get(t["format"], 0) + t["nbytes"]
-    return "+".join(sorted(nbytes, key=lambda f: -nbytes[f])) or manifest["dtype"]
 
 
 def run_bench(engine: Engine, cfg: BenchConfig, bandwidth_gb_s: float | None) -> tuple[list[dict], list[list[dict]]]:

@@ -138,3 +138,10 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_genera
                                                add_generation_prompt=add_generation_prompt, **context)
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"the chat template failed on these messages: {e}") from None
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+    """``messages`` rendered by the model's chat template (``render_chat``) and encoded as the
+    prompt's token ids; the template writes any BOS itself, so none is added."""
+    return tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt, **kwargs), add_bos=False)

@@ -24,6 +24,9 @@ DEFAULT_MAX_SEQS = 16
 #: Share of the memory available at load (MemAvailable less the weights) that a KV pool of default
 #: size may reach: a bigger default pool is cut to it (docs/serving.md).
 KV_MEMORY_SHARE = 0.5
+#: A default pool cut to the share must hold one sequence of min(the model's context, this many
+#: tokens); less memory is refused rather than served with a context too short to be of use.
+MIN_DEFAULT_CONTEXT = 2048
 _log = logging.getLogger("infeng.engine")
 
 
@@ -38,16 +41,34 @@ def _ffi(header: str) -> cffi.FFI:
     return ffi
 
 
-def available_memory() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable), None if unknown."""
+def _read_int(path: Path) -> int | None:
+    """The integer a one-value file holds (cgroup's ``max`` and unreadable files: None)."""
     try:
-        with open("/proc/meminfo") as f:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def available_memory(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sys/fs/cgroup") -> int | None:
+    """Bytes that can be allocated without swapping, None if unknown: the kernel's MemAvailable,
+    cut to what the cgroup (a container's limit) leaves: v2 ``memory.max - memory.current``, v1
+    ``memory/memory.limit_in_bytes - memory/memory.usage_in_bytes``."""
+    known: list[int] = []
+    try:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    known.append(int(line.split()[1]) * 1024)
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    cgroup = Path(cgroup)
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        limit = _read_int(cgroup / limit_file)            # "max" (no limit) reads as None
+        if limit is not None:
+            known.append(max(0, limit - (_read_int(cgroup / usage_file) or 0)))
+    return min(known) if known else None
 
 
 def _gib(n: int) -> str:
@@ -161,8 +182,14 @@ class Engine:
             if available is not None:
                 weights = int(self.lib.ife_weights_bytes())
                 budget = int(KV_MEMORY_SHARE * max(0, available - weights)) // (block_bytes + 8)
+                least = min(self.max_context, MIN_DEFAULT_CONTEXT)
+                if budget * self.block_size < least:
+                    raise InfengError(f"{KV_MEMORY_SHARE:.0%} of the {_gib(available)} of memory available (less "
+                                      f"{_mib(weights)} of weights) holds a KV pool of {budget * self.block_size} "
+                                      f"tokens, less than one sequence of {least}; free memory, or give "
+                                      f"--kv-memory or --max-context")
                 if budget < n_blocks:
-                    n_blocks = max(1, budget)
+                    n_blocks = budget
                     sized_by = (f"{KV_MEMORY_SHARE:.0%} of the {_gib(available)} available less "
                                 f"{_mib(weights)} of weights")
         context = self.max_context
@@ -184,18 +211,20 @@ class Engine:
         return KVPoolSize(n_blocks, context, sized_by)
 
     @property
-    def kv_committed_bytes(self) -> int:
-        """KV memory in use: the blocks handed out so far (the allocator hands out the lowest ids
-        first and reuses freed ones), or the whole pool for a library that commits it at create."""
+    def kv_bytes_touched(self) -> int:
+        """KV blocks ever handed out x block bytes (the allocator hands out the lowest ids first and
+        reuses freed ones), or the whole pool for a library that commits it at create: a lower
+        bound of the KV memory committed (with transparent huge pages each layer's K and V pool
+        commits in steps of up to 2 MiB, more than the blocks written)."""
         blocks = self.kv.fresh if self.kv_on_demand else self.kv.n_blocks
         return blocks * self.kv_block_bytes
 
     def kv_summary(self) -> str:
-        """The line ``infeng serve`` logs at start: the pool, what is committed, and what sized it."""
+        """The line ``infeng serve`` logs at start: the pool, the blocks touched, and what sized it."""
         kv = self.kv
         growth = "committed as blocks are used" if self.kv_on_demand else "committed at load"
         return (f"KV cache: {kv.n_blocks} blocks of {self.block_size} tokens ({_mib(self.kv_block_bytes)} each), "
-                f"{_mib(self.kv_committed_bytes)} committed / up to {_mib(kv.n_blocks * self.kv_block_bytes)} "
+                f"{_mib(self.kv_bytes_touched)} touched / up to {_mib(kv.n_blocks * self.kv_block_bytes)} "
                 f"({growth}), max context {self.max_context}, max sequences {kv.max_seqs}; sized by {self.kv_sized_by}")
 
     @classmethod

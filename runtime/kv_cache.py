@@ -9,7 +9,10 @@ prefix can point their block tables at the same *full* blocks (prefix caching):
 - ``register`` publishes a sequence's computed full blocks under their hashes, ``lookup`` finds
   the longest cached prefix of a hash chain, ``claim`` attaches those blocks to a new sequence;
 - a published block whose last reference goes away stays cached (its contents intact) on an LRU
-  list, and is evicted (its hash forgotten) only when a free block is needed and none is left.
+  list, and is evicted (its hash forgotten) when a block is needed and either no other is left or
+  the cache already keeps ``cache_blocks`` unreferenced blocks: memory is committed as block ids
+  are first used, so the cache may keep at most ``cache_blocks`` blocks committed beyond the most
+  blocks in use at once (``PREFIX_CACHE_SHARE`` of the pool by default).
 
 A sequence only ever writes positions past its cached prefix, and only full blocks are published,
 so a shared block is never written again.
@@ -24,6 +27,10 @@ import numpy as np
 
 from infeng_common.errors import InfengError
 
+#: Share of the pool that unreferenced prefix-cache blocks may keep committed beyond the blocks in
+#: use: past it, a block is taken by evicting the least recently used cached one rather than
+#: committing a never-used id (docs/serving.md, *KV memory*).
+PREFIX_CACHE_SHARE = 0.125
 
 class KVCacheFull(InfengError):
     """No free KV block (or sequence slot) is left; retry when a sequence finishes."""
@@ -51,7 +58,7 @@ class BlockAllocator:
     """
 
     def __init__(self, n_blocks: int, block_size: int, max_seqs: int, max_context: int,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, cache_blocks: int | None = None):
         if n_blocks < 1 or max_seqs < 1:
             raise InfengError(f"the KV pool needs at least one block and one sequence slot "
                               f"(got {n_blocks} blocks, {max_seqs} slots)")
@@ -60,6 +67,8 @@ class BlockAllocator:
         self.max_context = max_context
         self.max_seqs = max_seqs
         self.prefix_cache = prefix_cache
+        # unreferenced cached blocks kept before a never-used id is taken (the cache's committed share)
+        self.cache_blocks = max(1, int(PREFIX_CACHE_SHARE * n_blocks)) if cache_blocks is None else cache_blocks
         self.free_blocks: list[int] = []                              # returned, unpublished
         self.fresh = 0                                                # blocks [fresh, n_blocks) never handed out
         self.evictable: OrderedDict[int, None] = OrderedDict()        # published, refcount 0, LRU first
@@ -110,9 +119,12 @@ class BlockAllocator:
         return max(0, -(-length // self.block_size) - have)
 
     def _take_block(self) -> int:
+        """A returned block, else a never-used id while the cache keeps fewer than ``cache_blocks``
+        blocks, else the least recently used cached block (so that ``fresh``, the blocks committed,
+        stays within the most blocks in use at once plus ``cache_blocks``)."""
         if self.free_blocks:
             return self.free_blocks.pop()
-        if self.fresh < self.n_blocks:
+        if self.fresh < self.n_blocks and (len(self.evictable) < self.cache_blocks or not self.evictable):
             self.fresh += 1
             return self.fresh - 1
         block, _ = self.evictable.popitem(last=False)

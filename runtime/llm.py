@@ -19,7 +19,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 from typing import Sequence as Seq
 
 from infeng_common.errors import InfengError
@@ -108,10 +108,12 @@ class LLM:
         return [c.completion() for c in choices]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-               adapter: str | None = None) -> "TextStream":
-        """Continue one prompt; iterate for text as it becomes final, then read ``completion``."""
+               adapter: str | None = None, stopped: Callable[[], bool] = lambda: False) -> "TextStream":
+        """Continue one prompt; iterate for text as it becomes final, then read ``completion``.
+        ``stopped()`` is checked before every engine step (a long prefill too): true, the request
+        ends there (``finish_reason`` "abort")."""
         choice = self._submit(prompt, params or SamplingParams(), adapter, None)
-        return TextStream(self.loop, choice.request_id, choice)
+        return TextStream(self.loop, choice.request_id, choice, stopped)
 
     def _submit(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                 logprobs: int | None) -> _Choice:
@@ -147,8 +149,9 @@ class LLM:
 class TextStream:
     """The text of one request as the loop produces it (the loop runs while it is iterated)."""
 
-    def __init__(self, loop: EngineLoop, request_id: str, choice: _Choice):
-        self.loop, self.request_id, self.choice = loop, request_id, choice
+    def __init__(self, loop: EngineLoop, request_id: str, choice: _Choice,
+                 stopped: Callable[[], bool] = lambda: False):
+        self.loop, self.request_id, self.choice, self.stopped = loop, request_id, choice, stopped
 
     def __iter__(self) -> Iterator[str]:
         choice = self.choice
@@ -156,7 +159,7 @@ class TextStream:
             while True:
                 while choice.pieces:
                     yield choice.pieces.pop(0)
-                if choice.text.done or not self.loop.has_work():
+                if choice.text.done or not self.loop.has_work() or self.stopped():
                     break
                 self.loop.run_once()
             while choice.pieces:

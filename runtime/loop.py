@@ -297,7 +297,7 @@ class EngineLoop:
             sched, kv = self.scheduler, self.scheduler.kv
             return {"waiting": sched.num_waiting, "running": len(sched.running), "kv_blocks_used": kv.used_blocks,
                     "kv_blocks_total": kv.n_blocks, "kv_blocks_cached": kv.cached_blocks,
-                    "kv_bytes_committed": self.engine.kv_committed_bytes,
+                    "kv_bytes_touched": self.engine.kv_bytes_touched,
                     "prefix_queries": kv.queries, "prefix_hits": kv.hits, "preemptions": sched.stats.preemptions,
                     "prompt_tokens": sched.stats.prompt_tokens,
                     "computed_prompt_tokens": sched.stats.computed_prompt_tokens,

@@ -69,8 +69,8 @@ class _LoopCollector:
                   ("infeng_kv_blocks_used", "KV blocks referenced by live sequences", s["kv_blocks_used"]),
                   ("infeng_kv_blocks_total", "KV blocks in the pool", s["kv_blocks_total"]),
                   ("infeng_kv_blocks_cached", "full KV blocks published in the prefix cache", s["kv_blocks_cached"]),
-                  ("infeng_kv_bytes_committed", "KV memory committed: the blocks handed out since start",
-                   s["kv_bytes_committed"]),
+                  ("infeng_kv_bytes_touched", "KV blocks handed out since start x block bytes (a lower "
+                   "bound of the KV memory committed)", s["kv_bytes_touched"]),
                   ("infeng_tokens_per_second", "generated tokens per second over the last 10 s",
                    self.loop.tokens_per_second()),
                   ("infeng_step_overhead_seconds", "mean Python time per step outside the forward call",

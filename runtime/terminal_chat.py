@@ -3,20 +3,23 @@
 
 The conversation is the list of messages the template renders; each answer streams as it becomes
 final and joins the history. Lines that start with ``/`` are commands (``/help`` lists them).
-Ctrl-C while an answer streams stops that answer (the text so far stays in the history); Ctrl-C or
-Ctrl-D at the prompt ends the chat.
+Ctrl-C while an answer is prepared or streams stops that answer (the text so far stays in the
+history); the chat ends with /exit, Ctrl-D, or Ctrl-C at an empty prompt, but not with a Ctrl-C
+that lands within ``CTRL_C_GRACE_S`` of an answer's end (it was meant for that answer).
 """
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, TextIO
 
 from infeng_common.errors import InfengError
 
-from .chat import render_chat, template_source
+from .chat import chat_prompt_ids, template_source
 from .llm import LLM, Completion
 from .sampling import SamplingParams
 
@@ -27,8 +30,11 @@ HELP = """\
 /adapter NAME=DIR  load the PEFT adapter in DIR as NAME and answer with it
 /history        show the conversation so far
 /help           this list
-/exit           leave (Ctrl-D and Ctrl-C at the prompt leave too)
-Ctrl-C while an answer streams stops the answer."""
+/exit           leave (Ctrl-D, and Ctrl-C at an empty prompt, leave too)
+Ctrl-C while an answer is prepared or streams stops the answer, not the chat."""
+
+#: A Ctrl-C at the prompt this soon after an answer ended was meant for that answer: it is ignored.
+CTRL_C_GRACE_S = 1.0
 
 
 class ChatError(InfengError):
@@ -80,29 +86,35 @@ class ChatSession:
             raise ChatError(f"no adapter named {name!r} (loaded: {loaded}; /adapter NAME=DIR loads one)")
         self.adapter = name
 
+    @property
+    def answer_budget(self) -> int:
+        """Tokens kept for an answer: ``-n``, at most half the context."""
+        return max(1, min(self.params.max_new_tokens, self.llm.engine.max_context // 2))
+
     def prompt_ids(self, user_text: str) -> list[int]:
         """The rendered conversation plus ``user_text``, as token ids that leave room for the answer;
         the oldest turns are left out (two at a time: a question and its answer) until it fits."""
-        room = self.llm.engine.max_context - self.params.max_new_tokens
+        room = self.llm.engine.max_context - self.answer_budget
         while True:
-            text = render_chat(self.llm.tokenizer, self.messages() + [{"role": "user", "content": user_text}],
-                               add_generation_prompt=True)
-            ids = self.llm.tokenizer.encode(text, add_bos=False)
+            ids = chat_prompt_ids(self.llm.tokenizer, self.messages() + [{"role": "user", "content": user_text}])
             if len(ids) <= room or not self.turns:
                 break
             del self.turns[:2]
             self.dropped_turns += 2
         if len(ids) > room:
             raise ChatError(f"the message takes {len(ids)} tokens with the system prompt; the context holds "
-                            f"{self.llm.engine.max_context}, {self.params.max_new_tokens} of them kept for the answer")
+                            f"{self.llm.engine.max_context}, {self.answer_budget} of them kept for the answer")
         return ids
 
     def ask(self, user_text: str, stopped: Callable[[], bool] = lambda: False) -> Iterator[str]:
-        """Stream the answer to ``user_text``; ``stopped()`` is checked between pieces and ends the
-        answer early. The question and the answer (as far as it got) join the history, unless the
-        answer failed (``last.finish_reason == "error"``)."""
+        """Stream the answer to ``user_text`` (at most ``-n`` tokens and what the context has left);
+        ``stopped()`` is checked before every engine step and between pieces, and ends the answer
+        early. The question and the answer (as far as it got) join the history, unless the answer
+        failed (``last.finish_reason == "error"``)."""
         ids = self.prompt_ids(user_text)
-        stream = self.llm.stream(ids, self.params, adapter=self.adapter)
+        params = replace(self.params, max_new_tokens=min(self.params.max_new_tokens,
+                                                         self.llm.engine.max_context - len(ids)))
+        stream = self.llm.stream(ids, params, adapter=self.adapter, stopped=stopped)
         pieces: list[str] = []
         text = iter(stream)
         try:
@@ -136,13 +148,20 @@ def ctrl_c_sets() -> Iterator[threading.Event]:
 
 def chat_loop(session: ChatSession, read: Callable[[str], str], out: TextIO, note: Callable[[str], None],
               error: Callable[[str], None], prompt: str = ">>> ") -> None:
-    """Read lines with ``read(prompt)`` until /exit, EOF or Ctrl-C; answer each on ``out``;
-    ``note`` prints status lines, ``error`` what went wrong with one line (the chat goes on)."""
+    """Read lines with ``read(prompt)`` until /exit, EOF or Ctrl-C at an empty prompt (not within
+    ``CTRL_C_GRACE_S`` of an answer's end); answer each on ``out``; ``note`` prints status lines,
+    ``error`` what went wrong with one line (the chat goes on)."""
+    answered = float("-inf")                 # when the latest answer ended (time.monotonic)
     while True:
         try:
             line = read(prompt)
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             out.write("\n")
+            return
+        except KeyboardInterrupt:
+            out.write("\n")
+            if _typed_so_far() or time.monotonic() - answered < CTRL_C_GRACE_S:
+                continue                     # a line dropped, or a Ctrl-C meant for the answer
             return
         text = line.strip()
         if not text:
@@ -153,8 +172,16 @@ def chat_loop(session: ChatSession, read: Callable[[str], str], out: TextIO, not
                     return
                 continue
             answer(session, text, out, note)
+            answered = time.monotonic()
         except InfengError as e:
             error(str(e))
+            answered = time.monotonic()
+
+
+def _typed_so_far() -> str:
+    """The line being edited at the prompt (readline's buffer; empty without readline)."""
+    readline = sys.modules.get("readline")
+    return readline.get_line_buffer() if readline is not None else ""
 
 
 def command(session: ChatSession, text: str, out: TextIO, note: Callable[[str], None]) -> bool:
@@ -183,20 +210,20 @@ def command(session: ChatSession, text: str, out: TextIO, note: Callable[[str], 
 
 
 def answer(session: ChatSession, text: str, out: TextIO, note: Callable[[str], None]) -> Completion:
-    """Stream the answer to ``text`` on ``out``; Ctrl-C stops it (the chat goes on)."""
+    """Stream the answer to ``text`` on ``out``; Ctrl-C (once or more) stops it, the chat goes on."""
     dropped = session.dropped_turns
-    with ctrl_c_sets() as interrupted:
+    with ctrl_c_sets() as interrupted:            # until the notes are out: a late Ctrl-C is harmless
         for piece in session.ask(text, stopped=interrupted.is_set):
             out.write(piece)
             out.flush()
         out.write("\n")
-    completion = session.last
-    if session.dropped_turns > dropped:
-        note(f"(the oldest {session.dropped_turns - dropped} messages were left out to fit the context)")
-    if interrupted.is_set():
-        note("(stopped)")
-    elif completion.finish_reason == "error":
-        raise ChatError(completion.error or "the answer failed")
-    elif completion.finish_reason == "length":
-        note(f"(cut at {session.params.max_new_tokens} tokens: -n sets the limit)")
+        completion = session.last
+        if session.dropped_turns > dropped:
+            note(f"(the oldest {session.dropped_turns - dropped} messages were left out to fit the context)")
+        if interrupted.is_set():
+            note("(stopped)")
+        elif completion.finish_reason == "error":
+            raise ChatError(completion.error or "the answer failed")
+        elif completion.finish_reason == "length":
+            note(f"(cut at {len(completion.token_ids)} tokens: -n and the context set the limit)")
     return completion

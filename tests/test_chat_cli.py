@@ -1,9 +1,11 @@
 """``infeng chat`` and ``infeng run`` with a chat template: the prompt is what the chat API renders,
 the conversation keeps its turns, commands change the system prompt and the adapter, and a stopped
 or failed answer leaves the chat running. stories260K with a Llama-2-style template and LoRA slots
-(tests/_serving.py), against the offline API fed the same rendered prompts."""
+(tests/_serving.py), against the offline API fed the prompts transformers' apply_chat_template
+makes of the same messages."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -14,7 +16,6 @@ from _serving import adapters, infeng_command, nonfinite_artifact, served_artifa
 from typer.testing import CliRunner
 
 from infeng_compiler.cli import app
-from infeng_runtime.chat import render_chat
 from infeng_runtime.llm import LLM
 from infeng_runtime.sampling import SamplingParams
 
@@ -36,10 +37,40 @@ def llm(artifact: Path, adapter_dirs: dict[str, Path]):
     engine.close()
 
 
+@functools.lru_cache(maxsize=2)
+def hf_tokenizer(artifact: Path):
+    """transformers' tokenizer over the artifact's tokenizer.json as it is. (AutoTokenizer would
+    build transformers 5's LlamaTokenizer, which rebuilds the pipeline from tokenizer_config's
+    ``legacy: false`` and adds no "▁" after a special token: [1, 471, ...] for "<s>User:" where
+    the file itself, through tokenizers, gives [1, 410, 471, ...]; a tokenizer question, not a
+    chat template one.)"""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(artifact))
+
+
+def hf_prompt_ids(artifact: Path, messages: list[dict]) -> list[int]:
+    """The prompt transformers makes of ``messages`` with the artifact's tokenizer and chat
+    template: the independent reference for what chat and run send."""
+    ids = hf_tokenizer(artifact).apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def reference(llm: LLM, messages: list[dict], n: int, adapter: str | None = None) -> str:
-    """The greedy answer to ``messages`` rendered by the model's template, through the offline API."""
-    ids = llm.tokenizer.encode(render_chat(llm.tokenizer, messages), add_bos=False)
+    """The greedy answer to ``messages`` as transformers renders and encodes them, through the
+    offline API."""
+    ids = hf_prompt_ids(llm.engine.path, messages)
     return llm.generate([ids], SamplingParams(max_new_tokens=n), adapter=adapter)[0].text
+
+
+def test_chat_prompt_ids_are_transformers_apply_chat_template(llm):
+    from infeng_runtime.chat import chat_prompt_ids
+
+    for messages in ([{"role": "user", "content": "Once upon a time"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Once there was a cat."},
+                      {"role": "user", "content": "Tell me more, über-kurz!"}]):
+        assert chat_prompt_ids(llm.tokenizer, messages) == hf_prompt_ids(llm.engine.path, messages)
 
 
 def chat(artifact: Path, lines: list[str], *args: str):
@@ -94,13 +125,65 @@ def test_chat_stops_an_answer_and_goes_on(llm):
     from infeng_runtime.terminal_chat import ChatSession
 
     session = ChatSession(llm, SamplingParams(max_new_tokens=12))
-    pieces = list(session.ask("Once upon a time", stopped=lambda: True))
+    pieces: list[str] = []
+    for piece in session.ask("Once upon a time", stopped=lambda: bool(pieces)):
+        pieces.append(piece)
     assert len(pieces) == 1 and session.last.finish_reason == "abort"
     assert session.turns[1] == {"role": "assistant", "content": pieces[0]}
     assert not llm.loop.has_work()
     full = "".join(session.ask("Tell me more"))
     assert full == reference(llm, session.turns[:2] + [{"role": "user", "content": "Tell me more"}], 12)
     assert session.last.finish_reason == "length"
+
+
+def test_chat_stop_is_seen_before_any_engine_step(artifact, monkeypatch):
+    """Ctrl-C during a long prefill (chunks of 16 tokens here): the stop flag is checked before
+    every engine step, not only after a piece of text, so no step runs once it is set."""
+    from infeng_runtime.terminal_chat import ChatSession
+
+    llm = LLM(artifact, threads=1, max_seqs=1, max_batched_tokens=16)
+    steps = []
+    run_once = llm.loop.run_once
+    monkeypatch.setattr(llm.loop, "run_once", lambda: steps.append(1) or run_once())
+    session = ChatSession(llm, SamplingParams(max_new_tokens=12))
+    assert list(session.ask("Once upon a time " * 10, stopped=lambda: len(steps) >= 2)) == []
+    assert len(steps) == 2 and session.last.finish_reason == "abort" and not llm.loop.has_work()
+    assert session.turns[1] == {"role": "assistant", "content": ""}
+    llm.close()
+
+
+def test_ctrl_c_after_an_answer_does_not_end_the_chat(llm, monkeypatch):
+    """A Ctrl-C at the prompt within CTRL_C_GRACE_S of an answer's end was meant for the answer;
+    later, at an empty prompt, it ends the chat."""
+    import io
+
+    from infeng_runtime import terminal_chat
+    from infeng_runtime.terminal_chat import ChatSession, chat_loop
+
+    def reader(lines):
+        def read(prompt):
+            line = lines.pop(0)
+            if isinstance(line, type):
+                raise line()
+            return line
+        return read
+
+    out = io.StringIO()
+    lines = ["Once upon a time", KeyboardInterrupt, "/history", EOFError]
+    chat_loop(ChatSession(llm, SamplingParams(max_new_tokens=4)), reader(lines), out, print, print)
+    assert not lines and "[assistant]" in out.getvalue()            # went on to /history
+    monkeypatch.setattr(terminal_chat, "CTRL_C_GRACE_S", 0.0)
+    lines = ["Once upon a time", KeyboardInterrupt, "/history", EOFError]
+    chat_loop(ChatSession(llm, SamplingParams(max_new_tokens=4)), reader(lines), out, print, print)
+    assert lines == ["/history", EOFError]                           # the chat ended there
+
+
+def test_chat_answer_budget_fits_a_short_context(artifact):
+    """-n larger than the context: half the context is kept for the answer, and each answer is cut
+    to what the context has left (no negative room, no refusal)."""
+    result = chat(artifact, ["Once upon a time there was a dog"] * 3, "--max-context", "48", "-n", "512")
+    assert result.exit_code == 0, result.output
+    assert "error" not in result.stderr and len(answers(result.stdout)) == 3
 
 
 def test_chat_leaves_out_old_turns_to_fit_the_context(artifact):
@@ -131,11 +214,19 @@ def test_chat_ctrl_c_stops_the_answer_not_the_program(artifact):
         proc.stdout.read(20)                        # the answer streams
         time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
+        proc.stdin.write("Tell me more\n")          # the next answer: Ctrl-C stops it too
+        proc.stdin.flush()
+        seen = ""
+        while not seen.endswith(">>> "):
+            seen += proc.stdout.read(1)
+        proc.stdout.read(20)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
         out, err = proc.communicate("/exit\n", timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 0, err
-    assert "(stopped)" in err and "Traceback" not in err
+    assert err.count("(stopped)") == 2 and "Traceback" not in err
 
 
 def test_run_applies_the_chat_template(artifact, llm):
@@ -144,8 +235,7 @@ def test_run_applies_the_chat_template(artifact, llm):
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["text"] == reference(llm, [{"role": "user", "content": prompt}], 12)
-    rendered = llm.tokenizer.encode(render_chat(llm.tokenizer, [{"role": "user", "content": prompt}]), add_bos=False)
-    assert out["prompt_tokens"] == len(rendered)
+    assert out["prompt_tokens"] == len(hf_prompt_ids(artifact, [{"role": "user", "content": prompt}]))
     system = CliRunner().invoke(app, ["run", str(artifact), prompt, "-n", "12", "--threads", "1", "--json",
                                       "--system", "Be brief"])
     assert json.loads(system.stdout)["text"] == reference(

@@ -57,3 +57,21 @@ def test_descriptions_flow_at_words() -> None:
         assert all(len(line) >= 70 for line in lines[:-1]), lines
     assert "A model that is not an artifact is compiled first" in " ".join(help_of("serve").split())
     assert "Hub id org/name[@rev]" in " ".join(help_of("compile").split())     # brackets are not markup
+
+
+@pytest.mark.parametrize("columns", ["80", "120"])
+@pytest.mark.parametrize("command", [[]] + [[c] for c in COMMANDS])
+def test_help_reads_at_80_and_120_columns(command: list[str], columns: str) -> None:
+    """No type noise (``list[``, ``<int range>``, ``[x>=1]``), no metavar broken across lines (a
+    ``<`` left open), capitals for arguments in the usage line, and help text on every option and
+    argument."""
+    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": columns})
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "list[" not in text and "range>" not in text and "[x>" not in text and "{" not in text
+    assert "<str>" not in text and "<path>" not in text
+    for line in text.splitlines():
+        assert line.count("<") <= line.count(">"), line
+    group = typer.main.get_command(app)
+    for param in (group.commands[command[0]] if command else group).params:
+        assert (param.help or "").strip(), f"{' '.join(command)} {param.opts[0]} has no help text"

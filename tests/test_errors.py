@@ -268,7 +268,7 @@ def _shard(m: Path) -> Path:
 
 def case_shard_missing(m: Path) -> tuple[Path, Expect]:
     (_shard(m) / "model-00002-of-00002.safetensors").unlink()
-    return m, Expect(ModelFormatError, (str(m / "model-00002-of-00002.safetensors"), "not found"))
+    return m, Expect(ModelFormatError, (str(m / "model-00002-of-00002.safetensors"), "no such file or directory"))
 
 
 def case_shard_index_bad_json(m: Path) -> tuple[Path, Expect]:
@@ -394,3 +394,25 @@ def test_a_name_past_the_file_name_limit_is_one_line(command: list[str]) -> None
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {name}") and "too long" in last
     assert "Traceback" not in result.output
+
+
+def test_an_os_error_keeps_the_path_as_named(capsys):
+    """Only strerror's first letter is lowered; the path, and a message without strerror, keep
+    their case."""
+    import typer
+
+    from infeng_compiler.cli import fails_cleanly
+
+    def raises(error: OSError):
+        @fails_cleanly
+        def command():
+            raise error
+        with pytest.raises(typer.Exit):
+            command()
+        return capsys.readouterr().err
+
+    assert raises(PermissionError(13, "Permission denied", "/Data/My Model.gguf")) == \
+        "error: /Data/My Model.gguf: permission denied\n"
+    no_strerror = OSError("Name Too Long for THIS")
+    no_strerror.filename = "/Data/X"
+    assert raises(no_strerror) == "error: /Data/X: Name Too Long for THIS\n"

@@ -60,6 +60,8 @@ def snapshot(cache: Path, repo_id: str, commit: str) -> Path:
     ("org/name@refs/pr/1", HubId("org/name", "refs/pr/1")),
     ("org/name-GGUF/model.Q4_0.gguf@" + MAIN, HubId("org/name-GGUF", MAIN, "model.Q4_0.gguf")),
     ("name", None), ("./org/name", None), ("/abs/org/name", None), ("org/name/weights.bin", None),
+    ("nope/model.gguf", None), ("org/name.safetensors", None), ("org/model.onnx", None), ("~/org/name", None),
+    ("../org/name", None), ("org/name/sub/model.Q4_0.gguf", HubId("org/name", None, "sub/model.Q4_0.gguf")),
     ("org//name", None), ("org/name@", None), ("org/..", None), ("-org/name", None), ("org/name@has space", None),
 ])
 def test_parse_hub_id(text: str, want: HubId | None) -> None:
@@ -92,6 +94,22 @@ def test_missing_model_is_one_clear_line(offline: Path, model: str) -> None:
     result = CliRunner().invoke(app, ["ir", model])
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [f"error: {message}"]
+
+
+@pytest.mark.parametrize("command", ["chat", "serve", "compile", "ir"])
+@pytest.mark.parametrize("model", ["./nope/model.gguf", "nope/model.gguf", "./org/name", "../org/name", "model.gguf",
+                                   "./nope", "nope.onnx", "nope/model.safetensors"])
+def test_a_missing_local_path_never_reaches_the_hub(command: str, model: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail(f"hub asked for {a} {k}"))
+    args = [command, model] + (["-o", str(tmp_path / "out.infeng")] if command == "compile" else [])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: {model}: no such file or directory\n"        # no blank line before it
 
 
 def test_an_existing_path_wins(offline: Path, tmp_path: Path) -> None:

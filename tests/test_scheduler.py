@@ -32,7 +32,7 @@ def test_hash_chain_depends_on_prefix_and_namespace():
 
 
 def test_allocator_shares_published_blocks_and_evicts_lru():
-    kv = BlockAllocator(n_blocks=6, block_size=BS, max_seqs=4, max_context=64)
+    kv = BlockAllocator(n_blocks=6, block_size=BS, max_seqs=4, max_context=64, cache_blocks=6)
     tokens = list(range(10))
     hashes = block_hashes(tokens, BS)
     kv.ensure(0, 10)                                                # 3 blocks
@@ -57,6 +57,41 @@ def test_allocator_shares_published_blocks_and_evicts_lru():
     assert kv.cached_blocks == 0
     with pytest.raises(KVCacheFull):
         kv.ensure(3, 4)
+
+
+def test_prefix_cache_keeps_at_most_its_share_committed():
+    # every distinct prompt publishes its full blocks; never-used ids (committed memory) are taken
+    # only while the cache keeps fewer than cache_blocks unreferenced blocks
+    kv = BlockAllocator(n_blocks=400, block_size=BS, max_seqs=4, max_context=64)
+    assert kv.cache_blocks == 50
+    peak = 0
+    for prompt in range(60):
+        ids = [prompt * 31 + i for i in range(4 * BS + 1)]          # 4 full blocks and a partial one
+        for seq in (2 * prompt, 2 * prompt + 1):                    # two at once, the same prompt
+            found = kv.lookup(block_hashes(ids, BS))
+            if found:
+                kv.claim(seq, found, queried=4)
+            kv.ensure(seq, len(ids))
+            kv.register(seq, block_hashes(ids, BS), 4)
+            peak = max(peak, kv.used_blocks)
+        kv.free(2 * prompt)
+        kv.free(2 * prompt + 1)
+        assert kv.fresh <= peak + kv.cache_blocks
+    assert kv.fresh < kv.n_blocks and kv.evictions > 0 and kv.hits == 60 * 4
+    assert kv.cached_blocks >= kv.cache_blocks - 4                  # the cache still keeps its share
+
+
+def test_scheduler_commits_the_peak_in_use_plus_the_cache_share():
+    sched = make_scheduler(n_blocks=200, budget=64)
+    peak = 0
+    for i in range(40):
+        sched.add(request(f"r{i}", 13, max_new=2, start=i))         # distinct prompts, 3 full blocks
+        while (plan := sched.schedule()) is not None:
+            peak = max(peak, sched.kv.used_blocks)                   # planned: blocks held for the step
+            logits = np.zeros((len(plan.logits_rows), VOCAB), dtype=np.float32)
+            sched.update(plan, logits)
+    assert sched.kv.cached_blocks > 0 and sched.kv.evictions > 0
+    assert sched.kv.fresh <= peak + sched.kv.cache_blocks
 
 
 def test_allocator_keeps_first_published_copy_and_can_be_disabled():

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from infeng_common.errors import ModelFormatError, UnsupportedError
+from infeng_common.errors import ModelFormatError, UnsupportedError, not_a_file
 
 from ..ir import Graph
 
@@ -54,7 +54,7 @@ def model_source(path: str | Path, tokenizer_dir: str | Path | None = None) -> M
         return gguf_source(p, tokenizer_dir)
     if is_onnx(p):
         if not p.is_file():
-            raise ModelFormatError(f"{p}: file not found")
+            raise ModelFormatError(not_a_file(p))
         tok = Path(tokenizer_dir) if tokenizer_dir is not None else None
         if tok is not None and not tok.is_dir():
             raise ModelFormatError(f"{tok}: tokenizer directory not found")

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from infeng_common.errors import ModelFormatError, UnsupportedError
+from infeng_common.errors import ModelFormatError, UnsupportedError, not_a_file
 
 from ..ir import Graph, TensorType, Weight
 from .hf import _Builder
@@ -236,7 +236,7 @@ class GGUFFile:
     def __init__(self, path: Path):
         self.path = path
         if not path.is_file():
-            raise ModelFormatError(f"{path}: file not found")
+            raise ModelFormatError(not_a_file(path))
         try:
             self.reader = _reader_class()(path)
         except (ModelFormatError, UnsupportedError):
@@ -469,7 +469,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
     a vocabulary of 100k tokens, and ``model_source`` and ``import_model`` both need it)."""
     p = Path(path)
     if not p.is_file():
-        raise ModelFormatError(f"{p}: file not found")
+        raise ModelFormatError(not_a_file(p))
     st = p.stat()
     return _open_cached(str(p.resolve()), st.st_size, st.st_mtime_ns)
 

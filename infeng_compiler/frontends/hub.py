@@ -1,7 +1,9 @@
 """Hugging Face Hub ids as model arguments.
 
 A model argument that is not an existing path and reads ``org/name``, ``org/name@revision`` or
-``org/name/FILE.gguf[@revision]`` names a Hub repository. It resolves to a snapshot directory of the
+``org/name/FILE.gguf[@revision]`` names a Hub repository; one that starts with ``./``, ``../``, ``/``
+or ``~``, or names a model file (``.gguf``, ``.safetensors``, ``.onnx``) other than in the
+``org/name/FILE.gguf`` form, is a local path (missing: "PATH: no such file or directory"). It resolves to a snapshot directory of the
 local Hub cache (``HF_HUB_CACHE``, as transformers and vLLM share it): the cache first, so that
 ``HF_HUB_OFFLINE=1`` works, then a download of the files infeng reads (``HUB_PATTERNS``; for a
 GGUF file, that file and the tokenizer files) through ``huggingface_hub.snapshot_download``.
@@ -13,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from infeng_common.errors import InfengError
+from infeng_common.errors import InfengError, ModelFormatError
 
 #: The files of a checkpoint snapshot infeng reads (weights, configs, tokenizer, chat template).
 HUB_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -26,6 +28,8 @@ GGUF_COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9_./-]*")
 _TRUE = ("1", "on", "yes", "true")
+_LOCAL_PREFIXES = ("./", "../", "/", "~")
+_MODEL_FILES = (".gguf", ".safetensors", ".onnx")
 
 
 class HubModelError(InfengError):
@@ -48,8 +52,21 @@ class HubId:
         return Path(self.filename).stem if self.filename else self.repo_id.split("/")[1]
 
 
+def is_local_path(text: str) -> bool:
+    """Whether the model argument ``text`` (as typed) can only be a local path: it starts with
+    ``./``, ``../``, ``/`` or ``~`` (or is ``.``/``..``), or names a model file that is not a Hub
+    repository's GGUF file (``org/name/FILE.gguf``)."""
+    text = str(text)
+    if text in (".", "..") or text.startswith(_LOCAL_PREFIXES):
+        return True
+    spec = text.partition("@")[0]
+    return spec.lower().endswith(_MODEL_FILES) and not (spec.lower().endswith(".gguf") and spec.count("/") >= 2)
+
+
 def parse_hub_id(text: str) -> HubId | None:
-    """``text`` as a Hub id, or None when it does not read as one."""
+    """``text`` as a Hub id, or None when it does not read as one (``is_local_path``)."""
+    if is_local_path(text):
+        return None
     spec, at, revision = str(text).partition("@")
     if at and not _REVISION.fullmatch(revision):
         return None
@@ -82,12 +99,16 @@ def hub_offline() -> bool:
 
 
 def resolve_model_path(path: str | Path) -> Path:
-    """``path`` when it exists or does not read as a Hub id; else the local file or directory of the Hub id."""
-    p = Path(path)
+    """``path`` when it exists; else the local file or directory of the Hub id it reads as. Give
+    the argument as typed (a ``str``: ``Path`` drops a leading ``./``). Raises ModelFormatError
+    ("PATH: no such file or directory") for a missing path that is not a Hub id."""
+    p = Path(path).expanduser()
     if p.exists():
         return p
     hub_id = parse_hub_id(str(path))
-    return fetch(hub_id) if hub_id is not None else p
+    if hub_id is None:
+        raise ModelFormatError(f"{path}: no such file or directory")
+    return fetch(hub_id)
 
 
 def hub_model_name(path: str | Path) -> str | None:
@@ -145,4 +166,4 @@ def _one_line(error: Exception) -> str:
 
 
 __all__ = ["HUB_PATTERNS", "HubId", "HubModelError", "fetch", "hub_cache_dir", "hub_model_name", "hub_offline",
-           "parse_hub_id", "resolve_model_path"]
+           "is_local_path", "parse_hub_id", "resolve_model_path"]

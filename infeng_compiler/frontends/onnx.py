@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from infeng_common.errors import ModelFormatError, UnsupportedError
+from infeng_common.errors import ModelFormatError, UnsupportedError, not_a_file
 
 from ..ir import Graph, TensorType, Value, Weight
 from ..ir.ops import DTYPE_NUMPY, ONNX_PRIMITIVES
@@ -50,7 +50,7 @@ def load_onnx(path: str | Path) -> Graph:
 
     path = Path(path)
     if not path.is_file():
-        raise ModelFormatError(f"{path}: file not found")
+        raise ModelFormatError(not_a_file(path))
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf raises its own DecodeError

@@ -124,31 +124,33 @@ def lumped_kl(ref_logp: np.ndarray, top: dict[int, float]) -> float:
 
 
 def quality(args, gguf: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     from infeng_runtime.chat import render_chat
     from infeng_runtime.engine import Engine
 
-    paths = artifacts(gguf, args.workdir, args.modes)
-    engines = {mode: Engine(path, threads=args.threads, max_seqs=1) for mode, path in paths.items()}
-    tokenizer = next(iter(engines.values())).tokenizer
+    modes = [] if args.peer_only else list(args.modes)
+    paths = artifacts(gguf, args.workdir, modes or ["int8"])
+    engines = {mode: Engine(path, threads=args.threads, max_seqs=1) for mode, path in paths.items() if mode in modes}
+    tokenizer = Engine(paths[next(iter(paths))], threads=1, max_seqs=1).tokenizer
     eos = list(tokenizer.eos_token_ids)
-    torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32).eval()
-    config = GenerationConfig(max_new_tokens=args.tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-    peer = LlamaServer(gguf, args.threads) if (PEER / "build" / "bin" / "llama-server").is_file() else None
-    names = list(args.modes) + (["llama.cpp"] if peer else [])
-    stats = {name: {"first": 0, "continuation": 0, "kl_first": [], "kl_all": []} for name in names}
     items = prompts()[:args.prompts]
+    prompt_ids = [tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": p}]), add_bos=False)
+                  for p in items]
+    cache = args.workdir / f"act_precision_reference_{len(items)}x{args.tokens}.npz"
+    if args.peer_only:                       # transformers' tokens and first-token log-probs of an earlier run
+        saved = np.load(cache, allow_pickle=True)
+        references = [(list(t), lp[None]) for t, lp in zip(saved["tokens"], saved["first_logp"])]
+    else:
+        references = None
+    peer = LlamaServer(gguf, args.threads) if (PEER / "build" / "bin" / "llama-server").is_file() else None
+    names = modes + (["llama.cpp"] if peer else [])
+    stats = {name: {"first": 0, "continuation": 0, "kl_first": [], "kl_all": []} for name in names}
+    reference = references.__getitem__ if references else transformers_reference(args, gguf, eos)
+    kept_tokens, kept_first = [], []
     try:
-        for i, prompt in enumerate(items):
-            ids = tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": prompt}]), add_bos=False)
-            with torch.no_grad():
-                out = model.generate(torch.tensor([ids]), generation_config=config, output_logits=True,
-                                     return_dict_in_generate=True)
-            ref = out.sequences[0, len(ids):].tolist()
-            ref_logp = log_softmax(torch.cat(out.logits).float().numpy())
+        for i, ids in enumerate(prompt_ids):
+            ref, ref_logp = reference(i) if references else reference(ids)
+            kept_tokens.append(np.array(ref, np.int32))
+            kept_first.append(ref_logp[0].astype(np.float32))
             for mode, engine in engines.items():
                 logits = teacher_forced(engine, ids, ref)
                 kl = (np.exp(ref_logp) * (ref_logp - log_softmax(logits))).sum(axis=-1)
@@ -160,7 +162,9 @@ def quality(args, gguf: Path) -> None:
                 s["kl_all"].extend(kl.tolist())
             if peer:
                 got = peer.complete(ids, args.tokens)
-                tokens = list(got["tokens"]) + ([eos[0]] if got.get("stop_type") == "eos" and len(got["tokens"]) < args.tokens else [])
+                tokens = list(got["tokens"])
+                if got.get("stop_type") == "eos" and len(tokens) < args.tokens:
+                    tokens.append(ref[-1] if ref and ref[-1] in eos else eos[0])
                 s = stats["llama.cpp"]
                 s["first"] += bool(tokens[:1] == ref[:1])
                 s["continuation"] += bool(tokens == ref)
@@ -168,11 +172,14 @@ def quality(args, gguf: Path) -> None:
                 if probs:
                     top = {int(p["id"]): float(p["logprob"]) for p in probs[0]["top_logprobs"]}
                     s["kl_first"].append(lumped_kl(ref_logp[0], top))
-            if i % 20 == 19:
+            if i % 10 == 9:
                 print(f"{i + 1}/{len(items)} prompts", file=sys.stderr, flush=True)
     finally:
         if peer:
             peer.close()
+    if not references:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        np.savez(cache, tokens=np.array(kept_tokens, dtype=object), first_logp=np.stack(kept_first))
     for name in names:
         s = stats[name]
         emit(bench="act-precision", kind="quality", path=name, prompts=len(items), tokens=args.tokens,
@@ -181,6 +188,25 @@ def quality(args, gguf: Path) -> None:
              kld_all=float(np.mean(s["kl_all"])) if s["kl_all"] else None,
              kld_note="lower bound: top-%d log-probs + the rest lumped" % N_PROBS if name == "llama.cpp" else "exact",
              gguf=gguf.name)
+
+
+def transformers_reference(args, gguf: Path, eos: list[int]):
+    """ids -> (greedy continuation of up to args.tokens tokens, its log-probs [len, V]) from
+    transformers' f32 model on the GGUF."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.set_num_threads(1)           # the reference: one thread (no OpenMP spinning on a shared machine)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    config = GenerationConfig(max_new_tokens=args.tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                              output_logits=True, return_dict_in_generate=True)
+
+    def run(ids: list[int]) -> tuple[list[int], np.ndarray]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), generation_config=config)
+        return out.sequences[0, len(ids):].tolist(), log_softmax(torch.cat(out.logits).float().numpy())
+
+    return run
 
 
 def speed(args, gguf: Path) -> None:
@@ -227,6 +253,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--peer-only", action="store_true",
+                    help="quality of llama.cpp alone, against the transformers reference an earlier run saved")
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "infeng" / "bench")
     args = ap.parse_args()
     if args.gguf is None:

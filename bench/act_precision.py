@@ -22,7 +22,8 @@ over its top-``N_PROBS`` log-probs with the rest of the vocabulary lumped into o
 bound of the true KL).
 
 ``speed``: prefill tok/s (one step of ``--prefill`` tokens) and decode tok/s (``--decode`` steps
-of one token after that prefill), best of ``--rounds``, ``--threads`` threads; llama.cpp's
+of one token after that prefill) and batched decode tok/s (steps of ``--batch`` rows, one per
+sequence: a server's decode), best of ``--rounds``, ``--threads`` threads; llama.cpp's
 ``llama-bench -p PREFILL -n DECODE -t THREADS`` on the same file. One JSON line per result.
 """
 from __future__ import annotations
@@ -216,9 +217,16 @@ def speed(args, gguf: Path) -> None:
     rng = np.random.default_rng(0)
     tokens = rng.integers(100, 40000, args.prefill)
     for mode, path in paths.items():
-        engine = Engine(path, threads=args.threads, max_seqs=1)
-        prefill, decode = [], []
+        engine = Engine(path, threads=args.threads, max_seqs=args.batch)
+        prefill, decode, batched = [], [], []
         for _ in range(args.rounds):
+            seqs = np.arange(args.batch)
+            t0 = time.perf_counter()
+            for j in range(args.decode // 2):              # batch decoding sequences: steps of `batch` rows
+                engine.step(tokens[seqs + j], np.full(args.batch, j), seqs)
+            batched.append(args.batch * (args.decode // 2) / (time.perf_counter() - t0))
+            for seq in seqs:
+                engine.free(int(seq))
             t0 = time.perf_counter()
             engine.step(tokens, np.arange(args.prefill), np.zeros(args.prefill, np.int64), logits_rows=[args.prefill - 1])
             prefill.append(args.prefill / (time.perf_counter() - t0))
@@ -229,7 +237,7 @@ def speed(args, gguf: Path) -> None:
             engine.free(0)
         emit(bench="act-precision", kind="speed", path=mode, threads=args.threads, prefill_tokens=args.prefill,
              decode_tokens=args.decode, prefill_tok_s=round(max(prefill), 1), decode_tok_s=round(max(decode), 1),
-             target=engine.manifest["target"])
+             batch=args.batch, batch_decode_tok_s=round(max(batched), 1), target=engine.manifest["target"])
         engine.close()
     binary = PEER / "build" / "bin" / "llama-bench"
     if binary.is_file():
@@ -253,6 +261,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16, help="sequences of the batched decode timing (rows per step)")
     ap.add_argument("--peer-only", action="store_true",
                     help="quality of llama.cpp alone, against the transformers reference an earlier run saved")
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "infeng" / "bench")

@@ -211,33 +211,37 @@ def transformers_reference(args, gguf: Path, eos: list[int]):
 
 
 def speed(args, gguf: Path) -> None:
+    """Every path's engine loaded at once and the paths interleaved within each round, best round kept."""
     from infeng_runtime.engine import Engine
 
     paths = artifacts(gguf, args.workdir, args.modes)
     rng = np.random.default_rng(0)
     tokens = rng.integers(100, 40000, args.prefill)
-    for mode, path in paths.items():
-        engine = Engine(path, threads=args.threads, max_seqs=args.batch)
-        prefill, decode, batched = [], [], []
-        for _ in range(args.rounds):
+    engines = {mode: Engine(path, threads=args.threads, max_seqs=args.batch) for mode, path in paths.items()}
+    times: dict[str, dict[str, list[float]]] = {mode: {"prefill": [], "decode": [], "batch": []} for mode in engines}
+    for _ in range(args.rounds):
+        for mode, engine in engines.items():
+            t = times[mode]
             seqs = np.arange(args.batch)
             t0 = time.perf_counter()
             for j in range(args.decode // 2):              # batch decoding sequences: steps of `batch` rows
                 engine.step(tokens[seqs + j], np.full(args.batch, j), seqs)
-            batched.append(args.batch * (args.decode // 2) / (time.perf_counter() - t0))
+            t["batch"].append(args.batch * (args.decode // 2) / (time.perf_counter() - t0))
             for seq in seqs:
                 engine.free(int(seq))
             t0 = time.perf_counter()
             engine.step(tokens, np.arange(args.prefill), np.zeros(args.prefill, np.int64), logits_rows=[args.prefill - 1])
-            prefill.append(args.prefill / (time.perf_counter() - t0))
+            t["prefill"].append(args.prefill / (time.perf_counter() - t0))
             t0 = time.perf_counter()
             for j in range(args.decode):
                 engine.step(np.array([tokens[j]]), np.array([args.prefill + j]), np.zeros(1, np.int64))
-            decode.append(args.decode / (time.perf_counter() - t0))
+            t["decode"].append(args.decode / (time.perf_counter() - t0))
             engine.free(0)
+    for mode, engine in engines.items():
+        t = times[mode]
         emit(bench="act-precision", kind="speed", path=mode, threads=args.threads, prefill_tokens=args.prefill,
-             decode_tokens=args.decode, prefill_tok_s=round(max(prefill), 1), decode_tok_s=round(max(decode), 1),
-             batch=args.batch, batch_decode_tok_s=round(max(batched), 1), target=engine.manifest["target"])
+             decode_tokens=args.decode, prefill_tok_s=round(max(t["prefill"]), 1), decode_tok_s=round(max(t["decode"]), 1),
+             batch=args.batch, batch_decode_tok_s=round(max(t["batch"]), 1), target=engine.manifest["target"])
         engine.close()
     binary = PEER / "build" / "bin" / "llama-bench"
     if binary.is_file():
@@ -260,7 +264,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16, help="sequences of the batched decode timing (rows per step)")
     ap.add_argument("--peer-only", action="store_true",
                     help="quality of llama.cpp alone, against the transformers reference an earlier run saved")

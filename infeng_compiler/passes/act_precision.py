@@ -27,7 +27,7 @@ from .manager import PassContext, register
 
 MODES = ("int8", "f32", "auto")
 #: The mode a compile takes when none is given (docs/quantization.md, *Activation precision*).
-DEFAULT_ACT_PRECISION = "int8"
+DEFAULT_ACT_PRECISION = "auto"
 #: Token rows from which ``auto`` quantizes the activations (fewer rows read f32): every decode step
 #: of up to 16 sequences and every speculative verification of up to 16 rows stays f32, where the
 #: weights' bytes bound the step (docs/quantization.md, *Activation precision*).

@@ -225,6 +225,7 @@ REGISTRY_CASES = {
     "fht-kv": RegistryCase("fht-kv"),
     "kv-format": RegistryCase(f"kv-format(int8,{CALIB})", setup="fht-kv"),
     "quantize": RegistryCase(f"quantize(int4,{CALIB})"),
+    "act-precision": RegistryCase("act-precision(f32)", setup="quantize(int4)"),
     "fuse-linears": RegistryCase("fuse-linears"),
     "dce": RegistryCase("dce", onnx=True, changes=False),      # the export has no dead code
     "fold-shapes": RegistryCase("fold-shapes", onnx=True),

@@ -189,13 +189,24 @@ CALIB = typer.Option(None, "--calib", help="calibration text (--quant: AWQ + cli
 CALIB_MAX_BYTES = typer.Option(None, "--calib-max-bytes", help="use only the first N bytes of --calib")
 KV = typer.Option(KVScheme.f32, "--kv", help="KV cache format (fht-: Hadamard-rotated; docs/kv-cache.md)")
 KV_WINDOW = typer.Option(0, "--kv-window", min=0, help="keep each sequence's last N tokens in f16 (int8/int4 --kv)")
+ACT_PRECISION = typer.Option(None, "--act-precision",
+                             help="activations that integer (4/8-bit) weights multiply: int8 (every step), f32 "
+                                  "(every step), auto (f32 for steps of few token rows, int8 for prefill); "
+                                  "docs/quantization.md")
+
+
+class ActPrecision(str, Enum):
+    int8 = "int8"
+    f32 = "f32"
+    auto = "auto"
 
 
 def compile_options(target: str, dtype: DType | None, passes: str | None, max_tokens: int, lora: list[str],
                     merge: list[str], max_adapters: int, max_rank: int | None, lora_targets: str | None,
                     tokenizer: Path | None,
                     quant: QuantPreset | None, quant_policy: Path | None, calib: Path | None,
-                    calib_max_bytes: int | None, kv: KVScheme, kv_window: int, **rest):
+                    calib_max_bytes: int | None, kv: KVScheme, kv_window: int,
+                    act_precision: ActPrecision | None = None, **rest):
     """``CompileOptions`` from the shared options (``rest``: dump_ir, profile)."""
     from .compile import CompileOptions
 
@@ -207,7 +218,8 @@ def compile_options(target: str, dtype: DType | None, passes: str | None, max_to
                           merge=list(merge), max_adapters=max_adapters, max_rank=max_rank or 0,
                           lora_targets=lora_targets or "",
                           tokenizer=tokenizer, quant=quant.value if quant else None, quant_policy=quant_policy,
-                          calib=calib, calib_max_bytes=calib_max_bytes, kv=kv.value, kv_window=kv_window, **rest)
+                          calib=calib, calib_max_bytes=calib_max_bytes, kv=kv.value, kv_window=kv_window,
+                          act_precision=act_precision.value if act_precision else None, **rest)
 
 
 @app.command("ir")
@@ -226,7 +238,8 @@ def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .
                tokenizer: Optional[Path] = TOKENIZER,
                quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
-               kv: KVScheme = KV, kv_window: int = KV_WINDOW):
+               kv: KVScheme = KV, kv_window: int = KV_WINDOW,
+               act_precision: Optional[ActPrecision] = ACT_PRECISION):
     """Print MODEL's IR: as imported, after any pass of its compile pipeline, or lowered to kernel calls.
 
     The compile options choose the pipeline, as with `infeng compile`; no C is built. With `--after all`
@@ -248,7 +261,7 @@ def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .
         _write_text((Path(model) / "ir.txt").read_text(), output)
         return
     options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank, lora_targets,
-                              tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window)
+                              tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window, act_precision)
     snapshots: list[tuple[str, str]] = []
     printed_meta: dict[str, str] = {}           # meta text -> the section that printed it
 
@@ -517,7 +530,8 @@ def compile_command(model: Optional[str] = typer.Argument(None, help="model dir,
                     tokenizer: Optional[Path] = TOKENIZER,
                     quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                     calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
-                    kv: KVScheme = KV, kv_window: int = KV_WINDOW):
+                    kv: KVScheme = KV, kv_window: int = KV_WINDOW,
+                    act_precision: Optional[ActPrecision] = ACT_PRECISION):
     """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
     from rich.table import Table
 
@@ -534,7 +548,7 @@ def compile_command(model: Optional[str] = typer.Argument(None, help="model dir,
     else:
         options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank,
                                   lora_targets, tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window,
-                                  dump_ir=dump_ir, profile=profile)
+                                  act_precision, dump_ir=dump_ir, profile=profile)
     with progress_bar() as bar:
         task = bar.add_task("compile", total=None)
         summary = compile_model(model, output, options,
@@ -785,7 +799,8 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                   max_rank: Optional[int] = MAX_RANK, tokenizer: Optional[Path] = TOKENIZER,
                   quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                   calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
-                  kv: KVScheme = KV, kv_window: int = KV_WINDOW):
+                  kv: KVScheme = KV, kv_window: int = KV_WINDOW,
+                  act_precision: Optional[ActPrecision] = ACT_PRECISION):
     """Serve MODEL over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics).
 
     A model that is not an artifact is compiled first with the compile options, into a
@@ -795,7 +810,7 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
     if max_adapters is None:
         max_adapters = max(4, len(adapter)) if adapter or adapter_root else 0
     artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
-                                 quant_policy, calib, calib_max_bytes, kv, kv_window)
+                                 quant_policy, calib, calib_max_bytes, kv, kv_window, act_precision)
     options = ServeOptions(host=host, port=port, threads=threads, max_seqs=max_seqs, max_context=max_context,
                            kv_memory=parse_size(kv_memory, "--kv-memory") if kv_memory else None,
                            max_waiting=max_queue, max_batched_tokens=max_batched_tokens,
@@ -817,7 +832,8 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
 def _serving_artifact(model: str | Path, target: str, dtype: DType | None, max_tokens: int, max_adapters: int,
                       max_rank: int | None, tokenizer: Path | None, quant: QuantPreset | None,
                       quant_policy: Path | None,
-                      calib: Path | None, calib_max_bytes: int | None, kv: KVScheme, kv_window: int) -> Path:
+                      calib: Path | None, calib_max_bytes: int | None, kv: KVScheme, kv_window: int,
+                      act_precision: ActPrecision | None = None) -> Path:
     """MODEL itself if it is an artifact; else MODEL compiled into the artifact cache (reused when
     the same model and options were compiled before), as ``serve`` and ``serve-ray`` do."""
     from infeng_common.manifest import is_artifact
@@ -827,7 +843,8 @@ def _serving_artifact(model: str | Path, target: str, dtype: DType | None, max_t
     from .compile import cached_artifact
 
     compile_opts = compile_options(target, dtype, None, max_tokens, [], [], max_adapters, max_rank, "",
-                                   tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window)
+                                   tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window,
+                                   act_precision)
     with progress_bar() as bar:
         task = bar.add_task("compile", total=None)
         artifact, hit = cached_artifact(
@@ -893,7 +910,8 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                       max_rank: Optional[int] = MAX_RANK, tokenizer: Optional[Path] = TOKENIZER,
                       quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                       calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
-                      kv: KVScheme = KV, kv_window: int = KV_WINDOW):
+                      kv: KVScheme = KV, kv_window: int = KV_WINDOW,
+                      act_precision: Optional[ActPrecision] = ACT_PRECISION):
     """Serve MODEL on Ray Serve: engine replicas behind one OpenAI router.
 
     Adapters are placed on replicas by Ray's model multiplexing, replicas autoscale on requests in
@@ -908,7 +926,7 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
     if max_adapters is None:
         max_adapters = max(4, len(adapter)) if adapter else 0
     artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
-                                 quant_policy, calib, calib_max_bytes, kv, kv_window)
+                                 quant_policy, calib, calib_max_bytes, kv, kv_window, act_precision)
     from infeng_runtime.speculative import parse_speculative
 
     options = ServeOptions(host=host, port=port, threads=threads_per_replica, max_seqs=max_seqs,

@@ -28,6 +28,7 @@ from .codegen.target import get_target
 from .frontends import ONNX_PIPELINE, ModelSource, import_model, model_source
 from .frontends.peft import LoraAdapter, load_adapter
 from .ir import Graph, print_graph
+from .passes.act_precision import DEFAULT_ACT_PRECISION, act_precision_entry, act_precision_of
 from .passes.kv_cache import kv_entries, kv_summary
 from .passes.manager import PassContext, PassManager, PassRecord, format_pipeline, parse_pipeline
 from .passes.quantize import QuantReport, quant_layout, quantize_entry
@@ -61,6 +62,8 @@ class CompileOptions:
     calib_max_bytes: int | None = None
     kv: str = "f32"                     # KV cache: f32, f16, int8, int4, fht-int8, fht-int4 (passes/kv_cache.py)
     kv_window: int = 0                  # recent tokens kept in f16 next to an int8/int4 cache
+    act_precision: str | None = None    # activations integer weights multiply: int8, f32, auto
+                                        # (None: DEFAULT_ACT_PRECISION; passes/act_precision.py)
 
     def pipeline(self, adapters: dict | None = None, graph: Graph | None = None) -> list[tuple[str, list[str]]]:
         """The pass pipeline these options ask for (over ``graph``, the imported model, when given:
@@ -68,7 +71,8 @@ class CompileOptions:
         if self.passes:
             given = [flag for flag, value in (("--quant", self.quant), ("--quant-policy", self.quant_policy),
                                               ("--kv", self.kv != "f32"), ("--dtype", self.dtype),
-                                              ("--merge", self.merge), ("--calib", self.calib)) if value]
+                                              ("--merge", self.merge), ("--calib", self.calib),
+                                              ("--act-precision", self.act_precision)) if value]
             if given:
                 raise InfengError(f"--passes is the whole pipeline; {', '.join(given)} would be ignored: put "
                                   f"those passes in --passes instead")
@@ -88,8 +92,10 @@ class CompileOptions:
         quantize = quantize_entry(self.quant, self.quant_policy, *((self.calib, self.calib_max_bytes)
                                                                    if weights_calibrated else (None, None)))
         cast = [self.dtype or "f32"] + (["all" if self.dtype else "keep-quantized"] if imported_quantized else [])
+        integer_weights = quantize is not None or (imported_quantized and not self.dtype)
+        act = act_precision_entry(self.act_precision or DEFAULT_ACT_PRECISION) if integer_weights else None
         return (entries + kv + [("cast-weights", cast)] + ([quantize] if quantize else [])
-                + [("fuse-linears", [])])
+                + ([act] if act else []) + [("fuse-linears", [])])
 
 
 @dataclass
@@ -274,6 +280,7 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
             "tensors": [{"name": s.name, "format": s.format, "shape": list(s.shape), "offset": s.offset,
                          "nbytes": s.nbytes, **quant_layout(graph.weights[s.name])} for s in lowered.weights],
             **({"quant": quant.as_dict()} if quant else {}),
+            **({"act_precision": act} if (act := act_precision_of(graph)) else {}),
             "kernels": [s.symbol for s in lowered.specs],
             "profile": [vars(e) for e in lowered.profile] if options.profile else [],
             "adapters": {"merged": list(options.merge), "bundled": bundled},

@@ -327,7 +327,7 @@ def artifacts(stories_dir, tmp_path_factory):
                 for op, wformat in (("linear_q4", "q4g32"), ("linear_q8", "q8r")):    # what the build renders
                     assert f"AMX_MIN_T = {TEST_AMX_MIN_T}," in render_kernel(
                         KernelSpec.make(op, "amx-emu", K=64, N=16, wformat=wformat))
-                compile_model(stories_dir, out, CompileOptions(target=target, quant=preset))
+                compile_model(stories_dir, out, CompileOptions(target=target, quant=preset, act_precision="int8"))
             built[(preset, target)] = out
         return built[(preset, target)]
 

@@ -224,7 +224,7 @@ def test_compiled_quantized_experts(moe_checkpoint, tmp_path: Path, preset: str)
     rows each expert matrix reads as the driver's quantize_act does (``act_quant``)."""
     model = moe_checkpoint("qwen2_moe")
     out = tmp_path / f"{preset}.infeng"
-    compile_model(model, out, CompileOptions(target="native", quant=preset))
+    compile_model(model, out, CompileOptions(target="native", quant=preset, act_precision="int8"))
     graph = import_hf(model)
     PassManager([("quantize", [preset])]).run(graph)
     experts = next(graph.find("experts"))

@@ -225,6 +225,7 @@ REGISTRY_CASES = {
     "fht-kv": RegistryCase("fht-kv"),
     "kv-format": RegistryCase(f"kv-format(int8,{CALIB})", setup="fht-kv"),
     "quantize": RegistryCase(f"quantize(int4,{CALIB})"),
+    "act-precision": RegistryCase("act-precision(f32)", setup="quantize(int4)"),
     "fuse-linears": RegistryCase("fuse-linears"),
     "dce": RegistryCase("dce", onnx=True, changes=False),      # the export has no dead code
     "fold-shapes": RegistryCase("fold-shapes", onnx=True),
@@ -305,7 +306,7 @@ def test_the_compile_pipeline_lists_every_pass_it_runs() -> None:
 
     assert CompileOptions(kv="fht-int8", kv_window=16, quant="int4").pipeline() == [
         ("fht-kv", []), ("kv-format", ["int8", "window=16"]), ("cast-weights", ["f32"]), ("quantize", ["int4"]),
-        ("fuse-linears", [])]
+        ("act-precision", ["auto"]), ("fuse-linears", [])]
 
 
 def test_no_pass_imports_a_frontend() -> None:

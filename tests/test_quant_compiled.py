@@ -38,7 +38,7 @@ def artifacts(stories_dir, tmp_path_factory):
     def get(preset: str, target: str = "native") -> Path:
         if (preset, target) not in built:
             out = root / f"{preset}-{target}.infeng"
-            compile_model(stories_dir, out, CompileOptions(target=target, quant=preset))
+            compile_model(stories_dir, out, CompileOptions(target=target, quant=preset, act_precision="int8"))
             built[(preset, target)] = out
         return built[(preset, target)]
 
@@ -97,7 +97,7 @@ def test_other_families(hf_checkpoint, tmp_path, family: str, preset: str) -> No
     window (mistral): random-init models, on which no rounding boundary happens to be crossed."""
     model = hf_checkpoint(family)
     out = tmp_path / "m.infeng"
-    compile_model(model, out, CompileOptions(quant=preset))
+    compile_model(model, out, CompileOptions(quant=preset, act_precision="int8"))
     tokens = np.array([1, 17, 3, 99, 42, 7, 250, 5, 61, 2, 33, 8], np.int32)
     n = len(tokens)
     g = import_hf(model)
@@ -145,7 +145,8 @@ def test_scale_and_minimum_int4_matches_interpreter(stories_dir, tmp_path, targe
     policy = tmp_path / "policy.json"
     policy.write_text(json.dumps({"preset": "int4", "default": "q4g32m", "fallback": "pad"}))
     out = tmp_path / f"q4g32m-{target}.infeng"
-    compile_model(stories_dir, out, CompileOptions(target=target, quant="int4", quant_policy=policy))
+    compile_model(stories_dir, out, CompileOptions(target=target, quant="int4", quant_policy=policy,
+                                                                 act_precision="int8"))
     formats = {t["format"] for t in json.loads((out / "manifest.json").read_text())["tensors"]}
     assert "q4g32m" in formats
     ids = np.array(Tokenizer(stories_dir, 1, [2]).encode(STORY, add_bos=True), np.int32)

@@ -47,6 +47,8 @@ def grid_specs(isa: str) -> list[KernelSpec]:
         for K, N in LINEAR_SHAPES:
             if fits(name, K):
                 specs.append(KernelSpec.make(linear_op(name), isa, K=K, N=N, wformat=name))
+                if get_format(name).kind == "int":
+                    specs.append(KernelSpec.make("linear_qf32", isa, K=K, N=N, wformat=name))
         specs.append(KernelSpec.make("embedding_q", isa, V=37, H=64, wformat=name))
     return specs
 
@@ -63,10 +65,11 @@ def qlib(request) -> KernelLib:
 
 def test_every_isa_has_a_template_path() -> None:
     for isa in TARGETS:
-        for op in ("quantize_act", "linear_q4", "linear_q8", "linear_f8"):
+        for op in ("quantize_act", "linear_q4", "linear_q8", "linear_f8", "linear_qf32"):
             spec = KernelSpec.make(op, isa, **({"K": 64, "bits": 8, "block": 32} if op == "quantize_act" else
                                                {"K": 64, "N": 16, "wformat": {"linear_q4": "q4g32", "linear_q8": "q8r",
-                                                                              "linear_f8": "f8e4m3"}[op]}))
+                                                                              "linear_f8": "f8e4m3",
+                                                                              "linear_qf32": "q4g32m"}[op]}))
             expect = "scalar" if isa == "scalar" else ("avx2" if isa.startswith("avx2") else "avx512")
             if isa.startswith("amx") and op in AMX_OPS:
                 expect = "amx"
@@ -123,6 +126,28 @@ def test_linear_matches_dequantized_reference(qlib: KernelLib, name: str) -> Non
             y = np.full((T, N), np.nan, np.float32)
             qlib.fn(spec)(qlib.pool, xptr, T, qlib.ptr(packed, "uint8_t *"), qlib.ptr(bias, "float *"),
                           qlib.ptr(y, "float *"))
+            assert rel_err(y, ref) <= F32_TOL, (qlib.isa, name, K, N, T, rel_err(y, ref))
+
+
+INT_FORMATS = [name for name in QUANT_FORMATS if get_format(name).kind == "int"]
+
+
+@pytest.mark.parametrize("name", INT_FORMATS)
+def test_f32_activation_linear_matches_dequantized_reference(qlib: KernelLib, name: str) -> None:
+    """linear_qf32 (integer weights, f32 activations: --act-precision f32) within F32_TOL of
+    x @ dequantize(W)^T, with no rounding of x at all."""
+    for K, N in LINEAR_SHAPES:
+        if not fits(name, K):
+            continue
+        spec = KernelSpec.make("linear_qf32", qlib.isa, K=K, N=N, wformat=name)
+        qt, bias = _linear_case(name, K, N, K + N)
+        packed = qt.pack()
+        wdeq = qt.dequantize().astype(np.float64)
+        rng = np.random.default_rng(K * N + 1)
+        for T in TOKENS:
+            x = (rng.standard_normal((T, K)) * 2).astype(np.float32)
+            ref = x.astype(np.float64) @ wdeq.T + (0 if bias is None else bias)
+            y = _run_linear(qlib, spec, x, packed, bias, N)
             assert rel_err(y, ref) <= F32_TOL, (qlib.isa, name, K, N, T, rel_err(y, ref))
 
 
@@ -187,3 +212,9 @@ def test_linear_rows_do_not_depend_on_the_row_count(qlib: KernelLib, name: str) 
         for t0, t1 in [(t, t + 1) for t in range(T)] + slices:
             part = _run_linear(qlib, spec, xin[t0:t1], packed, bias, N)
             assert np.array_equal(part, together[t0:t1]), (qlib.isa, name, K, N, t0, t1)
+        if fmt.kind == "int":                          # the f32-activation kernel too
+            f32 = KernelSpec.make("linear_qf32", qlib.isa, K=K, N=N, wformat=name)
+            together = _run_linear(qlib, f32, x, packed, bias, N)
+            for t0, t1 in [(t, t + 1) for t in range(T)] + slices:
+                assert np.array_equal(_run_linear(qlib, f32, x[t0:t1], packed, bias, N), together[t0:t1]), \
+                    (qlib.isa, name, K, N, t0, t1, "f32 activations")

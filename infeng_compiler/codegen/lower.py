@@ -119,6 +119,11 @@ def describe(lowered: LoweredModel) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _and(*conditions: str) -> str:
+    """C conditions joined by &&, the empty ones left out."""
+    return " && ".join(c for c in conditions if c)
+
+
 def lower(graph: Graph, target: Target, *, max_tokens: int, block_size: int) -> LoweredModel:
     return _Lowering(graph, target, max_tokens, block_size).run()
 
@@ -282,10 +287,35 @@ class _Lowering:
         elif op == "linear_mxfp4":
             spec = self.mxfp4_spec(w, n.inputs[0])
             x = f"(const void *){x}"
-        else:
+        elif op == "linear_f8":
             spec = self.spec(op, K=w.type.shape[1], N=w.type.shape[0], wformat=w.format)
-            x = self.quantized_rows(n.inputs[0], w.format, comment) if op != "linear_f8" else x
+        else:
+            self.integer_linear(n.inputs[0], x, w, bias, self.buf(n.output), "T", "", comment)
+            return
         self.emit(spec, ["pool", x, "T", self.weight(w), bias, self.buf(n.output)], comment)
+
+    def integer_linear(self, v: Value, x: str, w: Weight, bias: str, y: str, rows: str, guard: str,
+                       comment: str) -> None:
+        """The linear of an integer weight ``w`` over ``rows`` rows of ``x`` (the arena rows of
+        ``v``): its int8/int16 kernel when a ``quantize_act`` produces ``v``, the f32-activation
+        kernel (``linear_qf32``) on the f32 rows otherwise and, with the quantize_act's
+        ``f32_below=N``, for steps of fewer than N token rows (passes/act_precision.py). ``guard``:
+        a C condition every call also runs under."""
+        K, N = w.type.shape[1], w.type.shape[0]
+        f32 = self.spec("linear_qf32", K=K, N=N, wformat=w.format)
+        source = self.quantized_from(v)
+        if source is None:
+            self.emit(f32, ["pool", f"(const void *){x}", rows, self.weight(w), bias, y], comment, guard=guard)
+            return
+        below = self.producers[v.name].attrs.get("f32_below", 0)
+        if below:
+            f32_x = self.buf(source) if x == self.buf(v) else x       # logits pass their gathered f32 rows
+            self.emit(f32, ["pool", f"(const void *){f32_x}", rows, self.weight(w), bias, y],
+                      comment + "  [f32 activations]", guard=_and(guard, f"T < {below}"))
+        spec = self.spec(linear_op(w.format), K=K, N=N, wformat=w.format)
+        qx = self.quantized_rows(v, w.format, comment) if x == self.buf(v) else f"(const void *){x}"
+        self.emit(spec, ["pool", qx, rows, self.weight(w), bias, y], comment,
+                  guard=_and(guard, f"T >= {below}" if below else ""))
 
     def mxfp4_spec(self, w: Weight, x: Value | None) -> KernelSpec:
         """The MXFP4 linear of ``w``: int8 activation rows when a ``quantize_act`` (8 bits, blocks of
@@ -308,7 +338,9 @@ class _Lowering:
         if users and all(u.op == "logits" for u in users):
             return                                       # logits quantize only the rows they gather
         spec = self.spec("quantize_act", K=self.width(n.inputs[0]), bits=n.attrs["bits"], block=n.attrs["block"])
-        self.emit(spec, [self.buf(n.inputs[0]), "T", f"(uint8_t *){self.buf(n.output)}"], comment)
+        below = n.attrs.get("f32_below", 0)
+        self.emit(spec, [self.buf(n.inputs[0]), "T", f"(uint8_t *){self.buf(n.output)}"], comment,
+                  guard=f"T >= {below}" if below else "")
 
     def lower_lora_linear(self, n: Node, comment: str) -> None:
         """The base product, then each token's adapter delta from its slot (``lora_apply``)."""
@@ -325,9 +357,12 @@ class _Lowering:
             K = w.type.shape[1]
             rows = self.arena.take(K)
             x = f"(arena + {rows} * IFE_MAX_TOKENS)"
+            below = q.attrs.get("f32_below", 0)
             deq = self.spec("dequantize_act", K=K, bits=q.attrs["bits"], block=q.attrs["block"])
             self.emit(deq, [f"(const uint8_t *){self.buf(n.inputs[0])}", "T", x], comment + "  [adapter input]",
-                      guard="adapter_slots")
+                      guard=_and("adapter_slots", f"T >= {below}" if below else ""))
+            if below:                                     # fewer rows: the f32 rows themselves
+                x = f"(T < {below} ? {self.buf(q.inputs[0])} : {x})"
         self.emit(spec, [x, "T", "adapter_slots", f"m->lora_rank[{site}]",
                          f"m->lora_scale[{site}]", f"m->lora_a[{site}]", f"m->lora_bt[{site}]", self.buf(n.output)],
                   comment + "  [adapter deltas]", guard="adapter_slots")
@@ -344,26 +379,43 @@ class _Lowering:
                   comment + "  [rows that want logits]", guard="R > 0")
         x = f"(arena + {rows} * IFE_MAX_TOKENS)"
         op = linear_op(w.format)
+        if op in ("linear_q4", "linear_q8"):
+            self.integer_logits(n, w, x, comment)
+            self.arena.give(rows, hidden)
+            return
         if op is None:
             spec = self.spec("linear", K=hidden, N=w.type.shape[0], wdtype=w.format)
         elif op == "linear_mxfp4":
             spec = self.mxfp4_spec(w, None)                                # reads the gathered f32 rows
         else:
             spec = self.spec(op, K=hidden, N=w.type.shape[0], wformat=w.format)
-        qrows = None
-        if op in ("linear_q4", "linear_q8"):
-            self.quantized_rows(n.inputs[0], w.format, comment)           # checks the activation form
-            q = self.producers[n.inputs[0].name]
-            qfloats = act_row_layout(hidden, q.attrs["bits"])["row_bytes"] // 4
-            qrows = self.arena.take(qfloats)
-            quant = self.spec("quantize_act", K=hidden, bits=q.attrs["bits"], block=q.attrs["block"])
-            self.emit(quant, [x, "R", f"(uint8_t *)(arena + {qrows} * IFE_MAX_TOKENS)"],
-                      comment + "  [quantize those rows]", guard="R > 0")
-            x = f"(const void *)(arena + {qrows} * IFE_MAX_TOKENS)"
         self.emit(spec, ["pool", x, "R", self.weight(w), "NULL", "logits"], comment, guard="R > 0")
-        if qrows is not None:
-            self.arena.give(qrows, qfloats)
         self.arena.give(rows, hidden)
+
+    def integer_logits(self, n: Node, w: Weight, x: str, comment: str) -> None:
+        """Logits of an integer weight over the R gathered f32 rows at ``x``: quantized first (on
+        the steps whose ``quantize_act`` quantizes), as ``integer_linear`` chooses."""
+        hidden = w.type.shape[1]
+        q = self.producers.get(n.inputs[0].name)
+        if q is None or q.op != "quantize_act":
+            self.integer_linear(n.inputs[0], x, w, "NULL", "logits", "R", "R > 0", comment)
+            return
+        self.quantized_rows(n.inputs[0], w.format, comment)               # checks the activation form
+        below = q.attrs.get("f32_below", 0)
+        if below:
+            self.emit(self.spec("linear_qf32", K=hidden, N=w.type.shape[0], wformat=w.format),
+                      ["pool", f"(const void *){x}", "R", self.weight(w), "NULL", "logits"],
+                      comment + "  [f32 activations]", guard=f"R > 0 && T < {below}")
+        guard = f"R > 0 && T >= {below}" if below else "R > 0"
+        qfloats = act_row_layout(hidden, q.attrs["bits"])["row_bytes"] // 4
+        qrows = self.arena.take(qfloats)
+        quant = self.spec("quantize_act", K=hidden, bits=q.attrs["bits"], block=q.attrs["block"])
+        self.emit(quant, [x, "R", f"(uint8_t *)(arena + {qrows} * IFE_MAX_TOKENS)"],
+                  comment + "  [quantize those rows]", guard=guard)
+        self.emit(self.spec(linear_op(w.format), K=hidden, N=w.type.shape[0], wformat=w.format),
+                  ["pool", f"(const void *)(arena + {qrows} * IFE_MAX_TOKENS)", "R", self.weight(w), "NULL", "logits"],
+                  comment, guard=guard)
+        self.arena.give(qrows, qfloats)
 
     def lower_rope(self, n: Node, comment: str) -> None:
         x, out = n.inputs[0], n.output

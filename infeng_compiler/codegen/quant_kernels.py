@@ -6,6 +6,7 @@
 | ``dequantize_act`` | those rows -> the f32 values they stand for (LoRA deltas read them) | scalar |
 | ``linear_q4`` | int4 weights (q4gG, q4gGa) x int8 activations (``vpdpbusd``, ``tdpbsud``) | scalar ... amx |
 | ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``, ``tdpbssd``) | scalar ... amx |
+| ``linear_qf32`` | int4 and int8 weights x f32 activations (weight codes widened in registers, FMA) | scalar, avx2, avx512 |
 | ``linear_f8`` | fp8 e4m3 weights x f32 activations (widened through f16 in registers) | scalar, avx2, avx512 |
 | ``embedding_q`` | rows of a quantized table, dequantized | scalar |
 | ``linear_mxfp4`` | MXFP4 weights (GPT-OSS's bytes) x f32 or int8 activations (``act``), e2m1 by ``vpshufb`` | scalar, avx2, avx512 |
@@ -118,6 +119,21 @@ def _item_blocks(n_blocks: int, most: int) -> int:
     return 1
 
 
+#: Independent partial sums per output of the f32-activation kernels (linear_qf32), the same for every
+#: number of token rows, so that a row's result does not depend on the step's rows: 4 keep the FMA
+#: dependency chains of a decode step (one token row) short; token rows go in tiles of QF32_TT.
+QF32_CHAINS = {"scalar": 1, "avx2": 2, "avx512": 4}
+QF32_TT = {"scalar": 1, "avx2": 4, "avx512": 4}
+
+
+def _qf32_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
+    plan = _weight_plan(p, isa)
+    fmt = get_format(p["wformat"])
+    # int8 per-row formats: one "group" of the whole padded row, scaled once at the end
+    return {**plan, "bits": fmt.bits, "chains": QF32_CHAINS[isa], "tt": QF32_TT[isa],
+            "span": fmt.group or plan["kp"]}
+
+
 def _quantize_act_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
     lay = act_row_layout(p["K"], p["bits"])
     return {"kp": lay["kp"], "blocks": lay["blocks"], "row_bytes": lay["row_bytes"], "d_offset": lay["d_offset"],
@@ -152,6 +168,11 @@ OPS.update({
         ("K", "N", "wformat"), _LINEAR_PROTO % "int16 activation rows", ("scalar", "avx2", "avx512", "amx"),
         lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
         _all(_positive("K", "N"), _check_format(_INT8)), _weight_plan),
+    "linear_qf32": _OpKernel(
+        ("K", "N", "wformat"), _LINEAR_PROTO % "K f32",
+        ("scalar", "avx2", "avx512"),
+        lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
+        _all(_positive("K", "N"), _check_format(_INT4 + _INT8)), _qf32_plan),
     "linear_f8": _OpKernel(
         ("K", "N", "wformat"), (_LINEAR_PROTO % "K").replace("const void *x", "const float *x"),
         ("scalar", "avx2", "avx512"),

@@ -1,6 +1,7 @@
 """Imports every pass module so that each registers itself with the pass manager (``dce``,
 ``fold-shapes`` and ``raise`` serve the ONNX import; the others the compile pipeline)."""
 from . import (  # noqa: F401
+    act_precision,
     cast_weights,
     dce,
     experts_act,

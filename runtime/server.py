@@ -641,7 +641,7 @@ class Server:
                                 f"prompts; the limit of matchers per request), not {n * prompts}", param="n",
                            code="grammar_too_large")
         try:
-            release = await self.grammar_shares.acquire(CLIENT.get())
+            release = await self._share(self.grammar_shares)
             compiled = asyncio.wrap_future(self.grammar_pool.submit(self.grammars.grammar, spec))
             compiled.add_done_callback(lambda _: release())
             await self._until_ending(compiled)
@@ -662,6 +662,20 @@ class Server:
             raise _unavailable(f"{SHUTTING_DOWN}; the request was not started", "shutting_down")
         return work.result()
 
+    async def _share(self, shares: ClientShares) -> Callable[[], None]:
+        """The release of this client's turn in ``shares``, or 503 if the shutdown comes first. A
+        request that gives up waiting (the client left, the shutdown) gives the turn back: its wait
+        is cancelled, or the turn it already took released."""
+        waiting = asyncio.ensure_future(shares.acquire(CLIENT.get()))
+        try:
+            return await self._until_ending(waiting)
+        except BaseException:
+            if not waiting.done():
+                waiting.cancel()
+            elif not waiting.cancelled() and waiting.exception() is None:
+                waiting.result()()
+            raise
+
     async def _text_work(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the text thread pool, within ``TEXT_WORK_SECONDS`` from when it starts
         running (time spent waiting behind other requests' work is not held against it); one job
@@ -677,7 +691,7 @@ class Server:
 
         self.text_waiting += 1
         try:
-            release = await self._until_ending(asyncio.ensure_future(self.text_shares.acquire(CLIENT.get())))
+            release = await self._share(self.text_shares)
             future = self.text_pool.submit(run)
             done = asyncio.wrap_future(future)
             done.add_done_callback(lambda _: release())

@@ -329,6 +329,44 @@ def test_client_shares_let_one_job_per_client_run():
     assert asyncio.run(main()) == ["a1", "b1", "a2", "a3"]
 
 
+@pytest.mark.parametrize("ending", [False, True])
+def test_a_request_that_gives_up_waiting_for_its_turn_gives_it_back(artifact, ending):
+    """A client's request waiting for its text turn, cancelled (the client left) or ended by the
+    shutdown, does not keep the turn it was waiting for: the client's next request runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from infeng_runtime.fair_share import CLIENT
+    from infeng_runtime.server import APIError, ServeOptions, build_server
+
+    server = build_server(artifact, ServeOptions(threads=1))
+
+    async def main() -> int:
+        server.ending = asyncio.Event()
+        server.text_pool = ThreadPoolExecutor(2)
+        server.text_waiting = 0
+        CLIENT.set("10.0.0.1")
+        held = await server.text_shares.acquire("10.0.0.1")      # the client's turn, taken
+        waiting = asyncio.ensure_future(server._text_work(lambda: 1))
+        await asyncio.sleep(0.05)
+        if ending:
+            server.ending.set()
+            with pytest.raises(APIError):
+                await waiting
+            server.ending.clear()
+        else:
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        held()
+        await asyncio.sleep(0)
+        answer = await asyncio.wait_for(server._text_work(lambda: 42), 5)
+        assert not server.text_shares._held
+        server.text_pool.shutdown()
+        return answer
+
+    assert asyncio.run(main()) == 42
+
+
 # -- the shutdown's last resort -------------------------------------------------------------------
 def test_exit_watchdog_ends_a_process_stuck_in_a_thread():
     script = ("import threading, time\n"

@@ -167,6 +167,41 @@ def test_a_runaway_compile_is_killed_at_its_budget(compiler):
     assert compiler.grammar(GrammarSpec("regex", "[0-9]{3}"))
 
 
+def test_a_workers_start_never_counts_against_the_compile_budget(monkeypatch, caplog):
+    """Workers start on the first grammar; a worker's start (about a second) is not held against a
+    0.3 s budget, neither the first nor the replacement of one killed at its budget; a start that
+    fails is logged and tried again."""
+    import dataclasses
+
+    from infeng_runtime import grammar_worker
+    from infeng_runtime.grammar_worker import GrammarWorkers, TokenizerSpec
+    from infeng_runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(STORIES)
+    real_worker, failures = grammar_worker._Worker, []
+
+    def failing_once(*args):
+        if not failures:
+            failures.append(1)
+            raise OSError("no more processes")
+        return real_worker(*args)
+
+    monkeypatch.setattr(grammar_worker, "_Worker", failing_once)
+    tight = dataclasses.replace(UNBOUNDED, compile_seconds=0.3)
+    pool = GrammarWorkers(TokenizerSpec(tok.hf.to_str(), 512, tuple(tok.eos_token_ids)), 1)
+    try:
+        assert not pool._all                                   # nothing started before a grammar comes
+        with caplog.at_level("ERROR", logger="infeng.grammar"):
+            assert pool.check("regex", "[0-9]{3}", "p", tight)
+        assert [r.message for r in caplog.records] == ["grammar worker failed to start; retrying"]
+        with pytest.raises(GrammarError) as e:
+            pool.check("choice", [f"word{i}" for i in range(200_000)], "guided_choice", tight)
+        assert e.value.code == "grammar_too_expensive"
+        assert pool.check("regex", "[0-9]{3}", "p", tight)      # on the replacement, once it started
+    finally:
+        pool.close()
+
+
 # -- masks ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):

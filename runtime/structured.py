@@ -107,6 +107,12 @@ def llguidance_grammar(kind: str, value: Any, param: str) -> str:
     raise GrammarError(f"unknown constraint {kind!r}", param)
 
 
+#: Refusals that another try may not repeat (the compile ran out of time on a busy machine, or found
+#: every compiler busy): never remembered. The others (over a limit, does not compile, crashed the
+#: compiler) are the grammar's own and are refused at once when it comes again.
+TRANSIENT_REFUSALS = frozenset({"grammar_too_expensive", "grammar_compilers_busy"})
+
+
 def _remember(cache: dict, key: str, value: Any) -> None:
     if len(cache) > 256:
         cache.clear()
@@ -127,7 +133,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._ll_tokenizer = None
         self._checked: dict[str, str] = {}
-        self._refused: dict[str, GrammarError] = {}
+        self._refused: dict[str, tuple[str, str | None]] = {}    # key -> (message with {param}, code)
 
     @property
     def ll_tokenizer(self):
@@ -150,15 +156,19 @@ class GrammarCompiler:
             return cached
         refused = self._refused.get(key)
         if refused is not None:                    # the same bad grammar again: no second compile
-            raise GrammarError(refused.args[0], spec.param, refused.code)
+            reason, code = refused
+            raise GrammarError(reason.format(param=spec.param), spec.param, code)
         try:
             if self.workers is not None:
                 grammar = self.workers.check(spec.kind, spec.value, spec.param, self.limits)
             else:
                 grammar = self._check_here(spec)
         except GrammarError as e:
-            if e.code != "grammar_compilers_busy":
-                _remember(self._refused, key, e)
+            if e.code not in TRANSIENT_REFUSALS:
+                reason = str(e).replace("{", "{{").replace("}", "}}")
+                if e.param and reason.startswith(f"{e.param}: "):     # the next request names its own field
+                    reason = "{param}" + reason[len(e.param):]
+                _remember(self._refused, key, (reason, e.code))
             raise
         _remember(self._checked, key, grammar)
         return grammar

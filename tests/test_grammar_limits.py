@@ -202,6 +202,38 @@ def test_a_workers_start_never_counts_against_the_compile_budget(monkeypatch, ca
         pool.close()
 
 
+def test_only_refusals_that_always_repeat_are_remembered():
+    """A compile out of time (a busy machine) is tried again next time; a grammar over a limit is
+    refused at once the second time, naming the second request's field."""
+    from infeng_runtime.structured import GrammarCompiler, GrammarSpec
+    from infeng_runtime.tokenizer import Tokenizer
+
+    class Workers:
+        def __init__(self, refusal: str):
+            self.refusal, self.calls = refusal, 0
+
+        def check(self, kind, value, param, limits):
+            self.calls += 1
+            if self.calls == 1:
+                raise GrammarError(f"{param}: no good {{here}}", param, self.refusal)
+            return "start: /a/"
+
+    late = Workers("grammar_too_expensive")
+    compiler = GrammarCompiler(Tokenizer(STORIES), 512, UNBOUNDED, late)
+    with pytest.raises(GrammarError):
+        compiler.grammar(GrammarSpec("regex", "a", "guided_regex"))
+    assert compiler.grammar(GrammarSpec("regex", "a", "guided_regex")) and late.calls == 2
+
+    large = Workers("grammar_too_large")
+    compiler = GrammarCompiler(Tokenizer(STORIES), 512, UNBOUNDED, large)
+    with pytest.raises(GrammarError):
+        compiler.grammar(GrammarSpec("regex", "a", "guided_regex"))
+    with pytest.raises(GrammarError) as again:
+        compiler.grammar(GrammarSpec("regex", "a", "structured_outputs.regex"))
+    assert str(again.value) == "structured_outputs.regex: no good {here}" and again.value.param == \
+        "structured_outputs.regex" and again.value.code == "grammar_too_large" and large.calls == 1
+
+
 # -- masks ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):

@@ -373,7 +373,7 @@ def test_a_clients_sequences_rank_after_its_own():
     sched.add(Request("greedy-2", [1, 8], params, client="10.0.0.1"))
     plan = sched.schedule()
     assert [s.request.request_id for s in plan.seqs] == ["greedy", "bystander"]   # second slot: the bystander
-    assert [s.order[1] for s in sched.requests["greedy-2"]] == [8]
+    assert [s.order[0] for s in sched.requests["greedy-2"]] == [8]
 
 
 def test_client_shares_let_one_job_per_client_run():

@@ -53,7 +53,7 @@ from .chat import (SPECIAL_TOKEN_KEYS, TEMPLATE_GLOBALS, ChatTemplateError, mess
                    template_source)
 from .detokenize import ChoiceText, Delta, TokenTexts
 from .exit_watchdog import exit_after
-from .fair_share import CLIENT, ClientShares
+from .fair_share import CLIENT, ClientShares, ClientsInFlight
 from .grammar_limits import GrammarLimits
 from .grammar_worker import GrammarBusy, GrammarWorkers, TokenizerSpec
 from .http_guard import AccessGuard, AccessPolicy, AdapterRoots, is_loopback_address
@@ -338,8 +338,9 @@ class Server:
         self.token_texts = TokenTexts(self.tokenizer)
         self.grammar_limits = self.options.grammar_limits()
         self.grammars = GrammarCompiler(self.tokenizer, loop.engine.vocab_size, self.grammar_limits)
-        self.text_shares = ClientShares()
-        self.grammar_shares = ClientShares()
+        self.clients = ClientsInFlight()
+        self.text_shares = ClientShares(capacity=TEXT_WORKERS, in_flight=self.clients)
+        self.grammar_shares = ClientShares(capacity=GRAMMAR_WORKERS, in_flight=self.clients)
         self.ending: asyncio.Event | None = None        # set when the shutdown ends what is left
         self.adapter_roots = AdapterRoots(self.options.adapter_roots)
         longest_token = max((len(t) for t in self.tokenizer.hf.get_vocab()), default=1)
@@ -384,7 +385,7 @@ class Server:
         # the last added is the outermost: RequestLog -> _CountRequests -> AccessGuard -> routes
         app.add_middleware(AccessGuard, policy=AccessPolicy(options.api_key, is_loopback_address(options.host),
                                                             options.max_request_bytes))
-        app.add_middleware(_CountRequests, metrics=metrics)
+        app.add_middleware(_CountRequests, metrics=metrics, clients=self.clients)
         app.add_middleware(RequestLog, in_flight=self.in_flight)
 
         @app.exception_handler(APIError)
@@ -1278,16 +1279,21 @@ class Server:
 
 
 class _CountRequests:
-    """Counts /v1/ requests by endpoint and status (plain ASGI: a BaseHTTPMiddleware would hide
-    client disconnects from the handlers)."""
+    """Counts /v1/ requests by endpoint and status, and the clients with one in flight (plain ASGI:
+    a BaseHTTPMiddleware would hide client disconnects from the handlers)."""
 
-    def __init__(self, app, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics: ServerMetrics, clients: ClientsInFlight):
+        self.app, self.metrics, self.clients = app, metrics, clients
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
-        CLIENT.set((scope.get("client") or ("",))[0])        # fair shares are per peer address
+        client = (scope.get("client") or ("",))[0]
+        CLIENT.set(client)                                    # fair shares are per peer address
+        with self.clients.request(client):
+            await self._count(scope, receive, send)
+
+    async def _count(self, scope, receive, send):
         status = [500]
 
         async def send_status(message):

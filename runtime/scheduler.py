@@ -164,6 +164,7 @@ class SchedulerStats:
     prompt_tokens: int = 0                  # prompt tokens of admitted sequences
     computed_prompt_tokens: int = 0         # prompt tokens actually run (not from the cache)
     generated_tokens: int = 0
+    late_mask_skips: int = 0                # times a sequence skipped a step for a grammar mask not ready
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -546,6 +547,7 @@ class Scheduler:
             failure = grammar.failure(seq.index)
             if failure is not None:
                 ended.append(self._finish(seq, "error", f"{CONSTRAINT_FAILED} stopped at a parser limit: {failure}"))
+        self.stats.late_mask_skips += len(late)
         return late
 
     def _verify(self, plan: StepPlan, logits: np.ndarray, late: set[Sequence] | tuple = ()) -> list[SeqOutput]:

@@ -205,9 +205,11 @@ class GrammarCompiler:
 
 #: Threads computing masks (llguidance drops the GIL): one request's matchers do not queue behind
 #: each other's, nor a slow grammar's masks in front of everyone's. They run at a lower priority
-#: than the engine loop (``MASK_NICE``), so mask work never slows the forward calls of others.
+#: than the engine loop (``MASK_NICE``), so mask work yields to the forward calls of others; a
+#: mild one: at nice 19 they lost the CPU to the engine's spinning pool on a 2-core machine and
+#: nearly every mask came late.
 MASK_WORKERS = 4
-MASK_NICE = 19
+MASK_NICE = 5
 #: How long a step waits for masks not ready when its forward call ends: this share of the forward
 #: call's time; a sequence whose mask is later is skipped for the step (its last position runs
 #: again next step). When every sampled row waits for a mask (nobody else to serve), up to

@@ -240,10 +240,11 @@ def artifact(tmp_path_factory):
     return served_artifact(tmp_path_factory.mktemp("grammar-artifact"))
 
 
-def _run(artifact, slow: dict[str, float], mask_seconds: float,
-         speculative: str | None = None) -> dict[str, tuple[list[int], str | None]]:
+def _run(artifact, slow: dict[str, float], mask_seconds: float, speculative: str | None = None,
+         stats: dict | None = None) -> dict[str, tuple[list[int], str | None]]:
     """Four requests in one batch: ``plain`` unconstrained, ``json``, and each name of ``slow`` a
-    JSON constraint whose every mask takes that many seconds; (tokens, error) per request."""
+    JSON constraint whose every mask takes that many seconds; (tokens, error) per request (and the
+    loop's snapshot into ``stats``)."""
     from infeng_runtime.grammar_limits import GrammarLimits
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
@@ -284,6 +285,8 @@ def _run(artifact, slow: dict[str, float], mask_seconds: float,
                                     sink=sink))
         while llm.loop.has_work():
             llm.loop.run_once()
+        if stats is not None:
+            stats.update(llm.loop.snapshot())
     finally:
         llm.close()
     return results
@@ -293,9 +296,11 @@ def test_late_masks_skip_a_step_and_change_nothing(artifact):
     """A sequence whose masks are late every step is skipped until they are ready: its output is
     the one it has alone, and the others' are theirs."""
     alone = _run(artifact, {}, mask_seconds=30)
-    slowed = _run(artifact, {"slow": 0.01}, mask_seconds=30)
+    stats: dict = {}
+    slowed = _run(artifact, {"slow": 0.01}, mask_seconds=30, stats=stats)
     assert slowed["plain"] == alone["plain"] and slowed["json"] == alone["json"]
     assert slowed["slow"] == alone["json"] and slowed["slow"][1] is None
+    assert stats["late_mask_skips"] > 0                     # counted (infeng_late_mask_skips_total)
 
 
 def test_late_masks_with_speculation_change_nothing(artifact):

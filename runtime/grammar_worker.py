@@ -27,8 +27,8 @@ from .grammar_limits import PARSER_LIMITS, GrammarError, GrammarLimits, check_sp
 
 _log = logging.getLogger("infeng.grammar")
 
-#: The workers compile on a thread of this stack: a grammar that fits it fits the server's threads
-#: (8 MiB, the usual RLIMIT_STACK) four times over.
+#: The workers compile on a thread of this stack: a grammar that fits it fits the server's matcher
+#: thread (``COMPILE_STACK_BYTES``, structured.py: 8 MiB, set explicitly) four times over.
 WORKER_STACK_BYTES = 2 * 2 ** 20
 #: How long a new worker may take to start (import llguidance, build the tokenizer); one that takes
 #: longer is killed and started again.

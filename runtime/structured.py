@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .grammar_limits import GrammarError, GrammarLimits, check_spec, parser_limits
-from .grammar_worker import GrammarWorkers
+from .grammar_worker import WORKER_STACK_BYTES, GrammarWorkers
 from .tokenizer import Tokenizer
 
 #: What a disallowed token's logit becomes: finite, so the finiteness checks still see NaN/Inf in
@@ -43,6 +43,11 @@ MASKED_LOGIT = float(np.finfo(np.float32).min)
 #: whitespace can pad a document with newlines until max_tokens).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+#: The stack of the thread that builds a matcher in the server process: explicit, not whatever the
+#: platform gives a thread by default, and four times the stack the worker process proved the
+#: grammar compiles on (grammar_worker.py).
+COMPILE_STACK_BYTES = 4 * WORKER_STACK_BYTES
+_stack_size_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -194,13 +199,38 @@ class GrammarCompiler:
         import llguidance
 
         grammar = self.grammar(spec)
-        first = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=parser_limits())
+        ll_tokenizer = self.ll_tokenizer
+        first = on_compile_stack(lambda: llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0,
+                                                              limits=parser_limits()))
         if first.is_error():
             raise GrammarError(f"the {spec.kind} constraint does not compile: {first.get_error()[:500]}", spec.param)
         matchers = [first] + [first.deep_copy() for _ in range(n - 1)]
         c = Constraint(matchers, self.vocab_size, list(self.tokenizer.eos_token_ids), self.limits.mask_seconds)
         c.prefetch(range(n))
         return c
+
+
+def on_compile_stack(build: Callable[[], Any]) -> Any:
+    """``build()`` on a new thread of ``COMPILE_STACK_BYTES`` of stack (the calling thread waits)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = build()
+        except BaseException as e:             # re-raised on the calling thread
+            outcome["error"] = e
+
+    with _stack_size_lock:                     # the size is the process's, for threads started now
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="infeng-grammar-matcher", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 #: Threads computing masks (llguidance drops the GIL): one request's matchers do not queue behind

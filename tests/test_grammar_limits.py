@@ -140,6 +140,34 @@ def test_growing_depth_compiles_in_a_worker(compiler, depth):
     assert c.failure(0) is None and c.mask(0).sum() == 511       # only "a" may come first
 
 
+def test_the_server_builds_matchers_on_an_explicit_stack(compiler, monkeypatch):
+    """The in-process compile (the matcher) runs on a thread of COMPILE_STACK_BYTES, four times the
+    worker's, whatever the platform's default; the process's default is left as it was."""
+    import threading
+
+    from infeng_runtime import structured
+    from infeng_runtime.grammar_worker import WORKER_STACK_BYTES
+    from infeng_runtime.structured import GrammarSpec
+
+    seen: list[str] = []
+    build = structured.on_compile_stack
+
+    def spy(fn):
+        def record():
+            seen.append(threading.current_thread().name)
+            return fn()
+        return build(record)
+
+    monkeypatch.setattr(structured, "on_compile_stack", spy)
+    before = threading.stack_size()
+    c = compiler.constraint(GrammarSpec("grammar", chain(300)), 1)
+    assert c.ready(0, deadline=time.monotonic() + 30) and c.failure(0) is None
+    assert seen == ["infeng-grammar-matcher"] and threading.stack_size() == before
+    assert structured.COMPILE_STACK_BYTES == 4 * WORKER_STACK_BYTES >= 8 * 2 ** 20
+    with pytest.raises(ZeroDivisionError):
+        structured.on_compile_stack(lambda: 1 / 0)
+
+
 def test_a_crashing_grammar_is_a_400_and_the_worker_is_replaced(compiler, caplog):
     from infeng_runtime.structured import GrammarSpec
 

@@ -30,6 +30,7 @@ _log = logging.getLogger("infeng.grammar")
 #: The workers compile on a thread of this stack: a grammar that fits it fits the server's matcher
 #: thread (``COMPILE_STACK_BYTES``, structured.py: 8 MiB, set explicitly) four times over.
 WORKER_STACK_BYTES = 2 * 2 ** 20
+PR_SET_PDEATHSIG = 1                           # linux/prctl.h
 #: How long a new worker may take to start (import llguidance, build the tokenizer); one that takes
 #: longer is killed and started again.
 STARTUP_SECONDS = 30.0
@@ -77,7 +78,22 @@ def _serve(conn: Connection, tokenizer: TokenizerSpec) -> None:
         conn.send(reply)
 
 
-def _worker_main(conn: Connection, tokenizer: TokenizerSpec) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this process when the server's thread that started it ends (the
+    server exits, even by SIGKILL); elsewhere the server's ``close`` is the only way."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:                 # the server went before the signal was set
+        os._exit(0)
+
+
+def _worker_main(conn: Connection, tokenizer: TokenizerSpec, parent: int) -> None:
+    _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the server's to handle (it kills us)
     try:
         os.nice(5)                             # below the engine loop, on a shared machine
@@ -92,7 +108,7 @@ def _worker_main(conn: Connection, tokenizer: TokenizerSpec) -> None:
 class _Worker:
     def __init__(self, context, tokenizer: TokenizerSpec):
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_worker_main, args=(child, tokenizer), daemon=True,
+        self.process = context.Process(target=_worker_main, args=(child, tokenizer, os.getpid()), daemon=True,
                                        name="infeng-grammar-worker")
         self.process.start()
         child.close()
@@ -140,14 +156,17 @@ class GrammarWorkers:
         threading.Thread(target=self._add, name="infeng-grammar-respawn", daemon=True).start()
 
     def _add(self) -> None:
-        """Start one worker and queue it once it is ready; a failed start is logged and tried again."""
+        """Start one worker and queue it once it is ready; a failed start is logged and tried again.
+        This thread then stays until the worker is gone: the worker's parent-death signal is tied
+        to the thread that started it (prctl), so it must not end before the worker does."""
         delay = 1.0
+        worker: _Worker | None = None
         try:
             while True:
                 with self._lock:
                     if self._closed:
                         return
-                worker: _Worker | None = None
+                worker = None
                 try:
                     worker = _Worker(self._context, self._tokenizer)
                     with self._lock:
@@ -156,8 +175,7 @@ class GrammarWorkers:
                             return
                         self._all.append(worker)
                     worker.wait_ready()
-                    self._idle.put(worker)
-                    return
+                    break
                 except (OSError, EOFError, TimeoutError) as e:
                     with self._lock:
                         if self._closed:
@@ -173,6 +191,8 @@ class GrammarWorkers:
         finally:
             with self._lock:
                 self._starting -= 1
+        self._idle.put(worker)
+        worker.process.join()                  # until it is killed (replaced, closed) or dies
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()

@@ -84,6 +84,8 @@ GRAMMAR_WORKERS = 2
 #: After SIGTERM, the process exits at most this long after --shutdown-timeout, whatever a thread
 #: is doing (the requests left were ended at the timeout; this is for writing their last events).
 SHUTDOWN_GRACE_SECONDS = 10.0
+#: How long uvicorn waits for open connections once it is told to stop.
+GRACEFUL_SECONDS = 5
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 PRIORITY_BOUND = 1000
@@ -1427,12 +1429,14 @@ def serve(artifact: str | Path, options: ServeOptions) -> None:
     listener = bind_listener(options.host, options.port)
     server = build_server(artifact, options)
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level,
-                            log_config=None, access_log=False, timeout_graceful_shutdown=5)
+                            log_config=None, access_log=False, timeout_graceful_shutdown=GRACEFUL_SECONDS)
     runner = _UvicornServer(config, server)
 
     def request_exit(code: int) -> None:
         if server.exit_code is None:
             server.exit_code = code
+            if code:                              # the engine loop died: no drain, but a stuck thread
+                exit_after(GRACEFUL_SECONDS + SHUTDOWN_GRACE_SECONDS, lambda: server.exit_code)   # must not hold us
         runner.should_exit = True
 
     server.request_exit = request_exit

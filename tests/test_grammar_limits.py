@@ -230,6 +230,49 @@ def test_a_workers_start_never_counts_against_the_compile_budget(monkeypatch, ca
         pool.close()
 
 
+def test_grammar_workers_die_with_the_server(tmp_path):
+    """A server killed outright (SIGKILL: no close) takes its grammar workers with it, the one
+    busy in a long compile too (an idle one ends anyway when its pipe closes)."""
+    import os
+    import signal
+
+    script = (f"import sys\nsys.path[:0] = {sys.path!r}\n"
+              "from infeng_runtime.grammar_worker import GrammarWorkers, TokenizerSpec\n"
+              "from infeng_runtime.grammar_limits import GrammarLimits\n"
+              "from infeng_runtime.tokenizer import Tokenizer\n"
+              f"tok = Tokenizer({str(STORIES)!r})\n"
+              "pool = GrammarWorkers(TokenizerSpec(tok.hf.to_str(), 512, tuple(tok.eos_token_ids)), 2)\n"
+              "pool.check('regex', 'a', 'p', GrammarLimits())\n"
+              "import time\n"
+              "while len(pool._all) < 2 or pool._starting: time.sleep(0.05)\n"
+              "import threading\n"
+              "long = GrammarLimits(max_bytes=10 ** 9, max_choices=10 ** 9, compile_seconds=600)\n"
+              "threading.Thread(target=pool.check, args=('choice', [f'word{i}' for i in range(400_000)], 'p', long),"
+              " daemon=True).start()\n"
+              "time.sleep(1)\n"
+              "print(' '.join(str(w.process.pid) for w in pool._all), flush=True)\n"
+              "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.monotonic() + 1.5              # less than the compile takes
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids)
+
+
 def test_only_refusals_that_always_repeat_are_remembered():
     """A compile out of time (a busy machine) is tried again next time; a grammar over a limit is
     refused at once the second time, naming the second request's field."""

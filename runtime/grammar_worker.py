@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .grammar_limits import PARSER_LIMITS, GrammarError, GrammarLimits, check_spec
+from .grammar_limits import GrammarError, GrammarLimits, check_spec, parser_limits
 
 _log = logging.getLogger("infeng.grammar")
 
@@ -58,7 +58,7 @@ def _serve(conn: Connection, tokenizer: TokenizerSpec) -> None:
 
     ll_tok = llguidance.LLTokenizer(tokenizer.hf_json, n_vocab=tokenizer.vocab_size,
                                     eos_token=list(tokenizer.eos) or None)
-    limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+    limits = parser_limits()
     conn.send(("ready", ""))
     while True:
         try:

@@ -20,6 +20,7 @@ thread while the forward call runs), and ``mask_draft_rows`` applies them (docs/
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -53,11 +54,14 @@ _stack_size_lock = threading.Lock()
 @dataclass(frozen=True)
 class GrammarSpec:
     """One constraint: ``kind`` in GRAMMAR_KINDS and its value (a schema dict, a regex, choices, a
-    Lark or GBNF grammar); ``param`` names the request field it came from (for errors)."""
+    Lark or GBNF grammar); ``param`` names the request field it came from (for errors);
+    ``wrapper_depth`` is the nesting the server wrapped around what the client sent (tool calls:
+    the client's parameter schemas are held to the depth limit, not the wrapper around them)."""
 
     kind: str
     value: Any = None
     param: str = "response_format"
+    wrapper_depth: int = 0
 
     def key(self) -> str:
         return json.dumps([self.kind, self.value], sort_keys=True)
@@ -78,9 +82,13 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None) -> GrammarS
     if name is not None:
         fn = next(f for f in fns if f["name"] == name)
         return GrammarSpec("json", params(fn), "tool_choice")
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": params(f)},
-              "required": ["name", "parameters"], "additionalProperties": False} for f in fns]
-    return GrammarSpec("json", {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "tool_choice")
+    def calls(schema_of: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+        return {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": schema_of(f)},
+             "required": ["name", "parameters"], "additionalProperties": False} for f in fns]}}
+
+    # a call's parameters sit 5 levels down: {items: {anyOf: [{properties: {parameters: ...}}]}}
+    return GrammarSpec("json", calls(params), "tool_choice", wrapper_depth=5)
 
 
 def llguidance_grammar(kind: str, value: Any, param: str) -> str:
@@ -154,7 +162,9 @@ class GrammarCompiler:
     def grammar(self, spec: GrammarSpec) -> str:
         """The llguidance grammar of ``spec``, within the limits and checked against the tokenizer
         (in a worker process when the compiler has workers); GrammarError if bad."""
-        check_spec(spec.kind, spec.value, spec.param, self.limits, deep=self.workers is None)
+        limits = self.limits if not spec.wrapper_depth else \
+            dataclasses.replace(self.limits, max_depth=self.limits.max_depth + spec.wrapper_depth)
+        check_spec(spec.kind, spec.value, spec.param, limits, deep=self.workers is None)
         key = spec.key()
         cached = self._checked.get(key)
         if cached is not None:
@@ -165,7 +175,7 @@ class GrammarCompiler:
             raise GrammarError(reason.format(param=spec.param), spec.param, code)
         try:
             if self.workers is not None:
-                grammar = self.workers.check(spec.kind, spec.value, spec.param, self.limits)
+                grammar = self.workers.check(spec.kind, spec.value, spec.param, limits)
             else:
                 grammar = self._check_here(spec)
         except GrammarError as e:

@@ -273,6 +273,38 @@ def test_grammar_workers_die_with_the_server(tmp_path):
     assert not any(alive(p) for p in pids)
 
 
+def test_tool_parameters_are_held_to_the_depth_limit_not_the_wrapper():
+    """tool_choice "required" wraps each function's parameters in the calls' array schema: the
+    parameters' own depth is what the limit bounds (64 passes, 65 is refused)."""
+    from infeng_runtime.grammar_limits import json_depth
+    from infeng_runtime.structured import GrammarCompiler, GrammarSpec, tool_call_grammar
+    from infeng_runtime.tokenizer import Tokenizer
+
+    def schema(depth: int) -> dict:
+        node: dict = {"type": "object"} if depth % 2 else {"type": "object", "properties": {}}
+        while json_depth(node) < depth:
+            node = {"type": "object", "properties": {"a": node}}
+        assert json_depth(node) == depth
+        return node
+
+    class Workers:                                         # the shape check alone is under test
+        def check(self, kind, value, param, limits):
+            check_spec(kind, value, param, limits)
+            return "start: /a/"
+
+    compiler = GrammarCompiler(Tokenizer(STORIES), 512, LIMITS, Workers())
+    for depth in (LIMITS.max_depth - 1, LIMITS.max_depth):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema(depth)}}]
+        spec = tool_call_grammar(tools, None)
+        assert json_depth(spec.value) - json_depth(schema(depth)) == spec.wrapper_depth
+        assert compiler.grammar(spec)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema(LIMITS.max_depth + 1)}}]
+    with pytest.raises(GrammarError, match="depth"):
+        compiler.grammar(tool_call_grammar(tools, None))
+    with pytest.raises(GrammarError, match="depth"):
+        compiler.grammar(tool_call_grammar(tools, "f"))
+
+
 def test_only_refusals_that_always_repeat_are_remembered():
     """A compile out of time (a busy machine) is tried again next time; a grammar over a limit is
     refused at once the second time, naming the second request's field."""

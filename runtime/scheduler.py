@@ -4,12 +4,13 @@ Every call of ``Scheduler.schedule`` plans one forward step under a token budget
 
 1. running sequences, in order: a client's sequences after those it already had in flight (so
    a bystander comes before a greedy client's backlog, whatever priority either asks for), then
-   by priority (lower ``priority`` first), then FIFO: one token each for those decoding, a prefill chunk for those still prefilling (a chunk never takes the room
-   that decodes later in the order need, so decodes are never starved by a long prompt);
+   by priority (lower ``priority`` first), then FIFO: one token each for those decoding, a
+   prefill chunk for those still prefilling (a chunk never takes the room that decodes later in
+   the order need, so decodes are never starved by a long prompt);
 2. then waiting sequences, in the same order, while the budget, a sequence slot and KV blocks
    last; while another client has sequences waiting, a client past its share of the slots
-   (``max(1, max_seqs // clients)`` running) is passed over. A new sequence first looks up its prompt's full blocks in the prefix cache and starts
-   its prefill after the cached part.
+   (``max(1, max_seqs // clients)`` running) is passed over. A new sequence first looks up its
+   prompt's full blocks in the prefix cache and starts its prefill after the cached part.
 
 When a running sequence needs a KV block and none is free, the scheduler *preempts by
 recompute*: the running sequence last in priority order gives up its blocks and slot and goes

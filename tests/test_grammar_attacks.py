@@ -62,7 +62,7 @@ ATTACKS = [
     (completion(guided_choice=[f"w{i}" for i in range(100_000)]), "guided_choice", "number of choices"),
     (completion(guided_choice=["x" * 2000] * 100), "guided_choice", "total size"),
     (completion(guided_regex="(" * 200 + "a" + ")" * 200), "guided_regex", "nesting depth"),
-    (completion(guided_json=json.dumps(nested_schema(100))), "guided_json", "nesting depth"),   # as JSON text
+    (completion(guided_json=json.dumps(nested_schema(100))), "guided_json", "64 levels deep"),  # as JSON text
     (completion(guided_regex="[a-z]", n=32), "n", "at most 16 sequences"),
 ]
 

@@ -41,14 +41,10 @@ from infeng_common.errors import InfengError
 from .adapters import AdapterPool
 from .kv_cache import BlockAllocator, block_hashes
 from .sampling import SamplingParams, distribution, sample
-from .structured import advance, apply_masks, late_masks, mask_wait
+from .structured import advance, apply_masks, mask_verdicts, mask_wait
 from .speculative import Speculator, accept_greedy, accept_sampled
 
 NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this sequence"
-#: How a sequence's error starts when its grammar ended it (the server answers such a failure 400).
-CONSTRAINT_FAILED = "the output constraint"
-MASK_OVERDUE = (CONSTRAINT_FAILED + "'s next-token mask was not ready within {:g} s (the grammar mask time "
-                "limit, --grammar-mask-timeout); the sequence was ended")
 #: The logprob reported for a token of probability 0 (OpenAI's value; -inf is not JSON).
 LOGPROB_FLOOR = -9999.0
 
@@ -534,20 +530,10 @@ class Scheduler:
         seqs += [s for s, _ in plan.verify if s.request.grammar is not None and s.status == RUNNING]
         if not seqs:
             return set()
-        positions = late_masks(seqs, forward_seconds, alone=len(seqs) == len(plan.seqs))
-        now = time.monotonic()
-        late = set()
-        for i, seq in enumerate(seqs):
-            grammar = seq.request.grammar
-            if i in positions:
-                if grammar.overdue(seq.index, now):
-                    ended.append(self._finish(seq, "error", MASK_OVERDUE.format(grammar.mask_seconds)))
-                else:
-                    late.add(seq)
-                continue
-            failure = grammar.failure(seq.index)
-            if failure is not None:
-                ended.append(self._finish(seq, "error", f"{CONSTRAINT_FAILED} stopped at a parser limit: {failure}"))
+        skip, errors = mask_verdicts(seqs, forward_seconds, alone=len(seqs) == len(plan.seqs))
+        for i, error in errors.items():
+            ended.append(self._finish(seqs[i], "error", error))
+        late = {seqs[i] for i in skip}
         self.stats.late_mask_skips += len(late)
         return late
 

@@ -63,9 +63,9 @@ from .metrics import ServerMetrics
 from .request_log import (LOG_FORMATS, LOG_LEVELS, LOGGER, InFlight, RequestLog, RequestRecord, configure_logging,
                           record_of)
 from .sampling import SEED_BOUND, SamplingParams
-from .scheduler import CONSTRAINT_FAILED, QueueFull, Request, RequestError, SeqOutput
+from .scheduler import QueueFull, Request, RequestError, SeqOutput
 from .speculative import SpeculativeConfig
-from .structured import GrammarCompiler, GrammarError, GrammarSpec, tool_call_grammar
+from .structured import CONSTRAINT_FAILED, GrammarCompiler, GrammarError, GrammarSpec, tool_call_grammar
 from .tools import (ToolCall, ToolStream, arguments_object, hermes_messages, parse_forced, parse_tool_calls,
                     template_knows_tools)
 

@@ -243,6 +243,12 @@ def on_compile_stack(build: Callable[[], Any]) -> Any:
     return outcome["value"]
 
 
+#: How a sequence's error starts when its grammar ended it (the server answers such a failure 400).
+CONSTRAINT_FAILED = "the output constraint"
+MASK_OVERDUE = (CONSTRAINT_FAILED + "'s next-token mask was not ready within {:g} s (the grammar mask time "
+                "limit, --grammar-mask-timeout); the sequence was ended")
+
+
 #: Threads computing masks (llguidance drops the GIL): one request's matchers do not queue behind
 #: each other's, nor a slow grammar's masks in front of everyone's. They run at a lower priority
 #: than the engine loop (``MASK_NICE``), so mask work yields to the forward calls of others; a
@@ -441,6 +447,28 @@ def late_masks(seqs: list[Any], forward_seconds: float, alone: bool) -> set[int]
     budget = MASK_IDLE_WAIT if idle else mask_wait(forward_seconds)
     futures_wait([f for _, f in waiting], timeout=budget)
     return {i for i, f in waiting if not f.done()}
+
+
+def mask_verdicts(seqs: list[Any], forward_seconds: float, alone: bool) -> tuple[set[int], dict[int, str]]:
+    """After a step's forward call, for its constrained sequences ``seqs``: the positions of those
+    whose masks are late (``late_masks``: they sit the step out) and, by position, the error of
+    those to end (a mask past its time limit, a matcher stopped at a parser limit)."""
+    late = late_masks(seqs, forward_seconds, alone)
+    now = time.monotonic()
+    skip: set[int] = set()
+    ended: dict[int, str] = {}
+    for i, seq in enumerate(seqs):
+        grammar = seq.request.grammar
+        if i in late:
+            if grammar.overdue(seq.index, now):
+                ended[i] = MASK_OVERDUE.format(grammar.mask_seconds)
+            else:
+                skip.add(i)
+            continue
+        failure = grammar.failure(seq.index)
+        if failure is not None:
+            ended[i] = f"{CONSTRAINT_FAILED} stopped at a parser limit: {failure}"
+    return skip, ended
 
 
 def apply_masks(logits: np.ndarray, rows: list[tuple[int, Any]]) -> None:

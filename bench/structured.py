@@ -7,7 +7,7 @@ SmolLM2-135M-Instruct.Q4_1.gguf -o smollm2.infeng --quant int4``). Rounds altern
 unconstrained request (``ignore_eos``, so it runs ``--tokens`` tokens) and one constrained by a JSON
 schema (it stops when the document closes), both through the engine loop and scheduler the server
 uses. Prints one JSON line per mode: ms per decode step (mean over rounds, best round), and for the
-constrained mode the time the engine thread spent in ``late_masks`` (waiting for the mask the
+constrained mode the time the engine thread spent in ``mask_verdicts`` (waiting for the mask the
 worker filled during the forward call), ``apply_masks`` (applying it) and ``advance`` (queueing the
 job that feeds the matcher its token and fills the next mask): per step (``mask_ms_per_step``), as a fraction of the constrained
 step (``mask_time_fraction``) and of the unconstrained step of the same run
@@ -68,7 +68,7 @@ def main() -> None:
     compiler.constraint(spec, 1)                          # the tokenizer and grammar, built once
 
     in_masks = [0.0]
-    apply_masks, advance, late_masks = structured.apply_masks, structured.advance, structured.late_masks
+    apply_masks, advance, mask_verdicts = structured.apply_masks, structured.advance, structured.mask_verdicts
 
     def timed(fn):
         def wrapper(*a, **kw):
@@ -79,7 +79,7 @@ def main() -> None:
         return wrapper
 
     import infeng_runtime.scheduler as sched
-    sched.apply_masks, sched.advance, sched.late_masks = timed(apply_masks), timed(advance), timed(late_masks)
+    sched.apply_masks, sched.advance, sched.mask_verdicts = timed(apply_masks), timed(advance), timed(mask_verdicts)
     config = parse_speculative(args.speculative)
     spec_loop = EngineLoop(engine, prefix_cache=False, speculative=config) if config is not None else None
     free_ms, json_ms, mask_ms, mask_frac, spec_ms, json_tok_ms, same = [], [], [], [], [], [], True

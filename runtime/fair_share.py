@@ -3,7 +3,8 @@ grammar compiler, nor push everyone else's requests behind all of its own.
 
 ``CLIENT`` holds the peer address of the request being handled (set once per request by the
 server's ASGI layer). ``ClientShares`` lets each client run at most ``per_client`` jobs of one kind
-at a time (its further jobs wait their turn behind its own, not in front of others'); the
+at a time while another client has jobs too (its further jobs wait their turn behind its own, not
+in front of others'; alone, it may use every thread); the
 scheduler ranks a client's new sequences after the ones it already has in flight
 (``Request.client``, scheduler.py), so a bystander's request is admitted before a greedy
 client's backlog. Behind a proxy every request has the proxy's address and these shares are one.
@@ -11,47 +12,98 @@ client's backlog. Behind a proxy every request has the proxy's address and these
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 
 CLIENT: ContextVar[str | None] = ContextVar("infeng_client", default=None)
 
 
-class ClientShares:
-    """Per-client semaphores of ``per_client`` slots, dropped when no job of the client is left.
-    ``acquire`` waits for a slot and returns its release; the caller releases it when the job's
-    thread is done (not when the request gives up on it: a job past its budget still holds a slot)."""
+class ClientsInFlight:
+    """The clients with a request in flight (the server's ASGI layer enters and leaves them)."""
 
-    def __init__(self, per_client: int = 1):
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
+
+    @contextmanager
+    def request(self, client: str) -> Iterator[None]:
+        _count(self.requests, client, 1)
+        try:
+            yield
+        finally:
+            _count(self.requests, client, -1)
+
+
+class ClientShares:
+    """Turns at ``capacity`` jobs of one kind (the threads that run them): while another client
+    holds or waits for a turn, or has a request in flight (``in_flight``: it may need a turn at any
+    moment, between its jobs), each client runs at most ``per_client`` jobs at a time; a client
+    alone may use every one (a single client, a proxy or a benchmark, keeps the whole throughput).
+    ``acquire`` waits for a turn and returns its release; the caller releases it when the job's
+    thread is done (not when the request gives up on it: a job past its budget still holds a turn).
+    A client's waiting jobs take their turns in the order they came."""
+
+    def __init__(self, per_client: int = 1, capacity: int = 1, in_flight: ClientsInFlight | None = None):
         self.per_client = per_client
-        self._held: dict[str, tuple[asyncio.Semaphore, int]] = {}
+        self.in_flight = in_flight or ClientsInFlight()
+        self.capacity = max(capacity, per_client)
+        self._running: dict[str, int] = {}
+        self._waiting: dict[str, int] = {}
+        self._wakers: list[asyncio.Future] = []
+
+    def _may_run(self, client: str) -> bool:
+        running = self._running.get(client, 0)
+        if running < self.per_client:
+            return True
+        alone = all(c == client for counts in (self._running, self._waiting, self.in_flight.requests)
+                    for c in counts)
+        return alone and running < self.capacity
 
     async def acquire(self, client: str | None) -> Callable[[], None]:
         if client is None:
             return _nothing
-        sem, users = self._held.get(client) or (asyncio.Semaphore(self.per_client), 0)
-        self._held[client] = (sem, users + 1)
+        _count(self._waiting, client, 1)
         try:
-            await sem.acquire()
-        except BaseException:
-            self._leave(client)
-            raise
+            while not self._may_run(client):
+                waker = asyncio.get_running_loop().create_future()
+                self._wakers.append(waker)
+                try:
+                    await waker
+                finally:
+                    if waker in self._wakers:
+                        self._wakers.remove(waker)
+        finally:
+            _count(self._waiting, client, -1)
+            self._wake()                       # a client that stops waiting may lift another's cap
+        _count(self._running, client, 1)
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                sem.release()
-                self._leave(client)
+                _count(self._running, client, -1)
+                self._wake()
         return release
 
-    def _leave(self, client: str) -> None:
-        sem, users = self._held[client]
-        if users == 1:
-            del self._held[client]
-        else:
-            self._held[client] = (sem, users - 1)
+    @property
+    def _held(self) -> dict[str, int]:
+        """Clients with a job running or waiting (empty when every turn was given back)."""
+        return {c: self._running.get(c, 0) + self._waiting.get(c, 0) for c in {*self._running, *self._waiting}}
+
+    def _wake(self) -> None:
+        wakers, self._wakers = self._wakers, []
+        for waker in wakers:
+            if not waker.done():
+                waker.set_result(None)
+
+
+def _count(counts: dict[str, int], client: str, change: int) -> None:
+    left = counts.get(client, 0) + change
+    if left:
+        counts[client] = left
+    else:
+        counts.pop(client, None)
 
 
 def _nothing() -> None:

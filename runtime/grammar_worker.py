@@ -23,15 +23,16 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .grammar_limits import PARSER_LIMITS, GrammarError, GrammarLimits, check_spec
+from .grammar_limits import GrammarError, GrammarLimits, check_spec, parser_limits
 
 _log = logging.getLogger("infeng.grammar")
 
-#: The workers compile on a thread of this stack: a grammar that fits it fits the server's threads
-#: (8 MiB, the usual RLIMIT_STACK) four times over.
+#: The workers compile on a thread of this stack: a grammar that fits it fits the server's matcher
+#: thread (``COMPILE_STACK_BYTES``, structured.py: 8 MiB, set explicitly) four times over.
 WORKER_STACK_BYTES = 2 * 2 ** 20
-#: How long a new worker may take to start (import llguidance, build the tokenizer) before the
-#: compile sent to it counts against the request's budget.
+PR_SET_PDEATHSIG = 1                           # linux/prctl.h
+#: How long a new worker may take to start (import llguidance, build the tokenizer); one that takes
+#: longer is killed and started again.
 STARTUP_SECONDS = 30.0
 
 
@@ -57,7 +58,7 @@ def _serve(conn: Connection, tokenizer: TokenizerSpec) -> None:
 
     ll_tok = llguidance.LLTokenizer(tokenizer.hf_json, n_vocab=tokenizer.vocab_size,
                                     eos_token=list(tokenizer.eos) or None)
-    limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+    limits = parser_limits()
     conn.send(("ready", ""))
     while True:
         try:
@@ -77,7 +78,22 @@ def _serve(conn: Connection, tokenizer: TokenizerSpec) -> None:
         conn.send(reply)
 
 
-def _worker_main(conn: Connection, tokenizer: TokenizerSpec) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this process when the server's thread that started it ends (the
+    server exits, even by SIGKILL); elsewhere the server's ``close`` is the only way."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:                 # the server went before the signal was set
+        os._exit(0)
+
+
+def _worker_main(conn: Connection, tokenizer: TokenizerSpec, parent: int) -> None:
+    _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the server's to handle (it kills us)
     try:
         os.nice(5)                             # below the engine loop, on a shared machine
@@ -92,19 +108,15 @@ def _worker_main(conn: Connection, tokenizer: TokenizerSpec) -> None:
 class _Worker:
     def __init__(self, context, tokenizer: TokenizerSpec):
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_worker_main, args=(child, tokenizer), daemon=True,
+        self.process = context.Process(target=_worker_main, args=(child, tokenizer, os.getpid()), daemon=True,
                                        name="infeng-grammar-worker")
         self.process.start()
         child.close()
-        self.started = time.monotonic()
-        self.ready = False
 
     def wait_ready(self) -> None:
-        if not self.ready:
-            if not self.conn.poll(STARTUP_SECONDS):
-                raise TimeoutError("the grammar worker did not start")
-            self.conn.recv()
-            self.ready = True
+        if not self.conn.poll(STARTUP_SECONDS):
+            raise TimeoutError(f"the grammar worker did not start within {STARTUP_SECONDS:g} s")
+        self.conn.recv()
 
     def kill(self) -> None:
         self.process.kill()
@@ -113,57 +125,105 @@ class _Worker:
 
 
 class GrammarWorkers:
-    """``count`` worker processes; ``check`` compiles one constraint on one of them within a
-    budget. Thread safe: each call takes a worker for itself."""
+    """``count`` worker processes, started on the first ``check`` (each costs about a second and
+    40 MB, which a server that never sees a grammar does not pay); ``check`` compiles one
+    constraint on one of them within a budget. Thread safe: each call takes a worker for itself.
+    Only a started worker waits in ``_idle``: its start never counts against a compile's budget."""
 
     def __init__(self, tokenizer: TokenizerSpec, count: int = 2):
         self._context = multiprocessing.get_context("spawn")
         self._tokenizer = tokenizer
+        self._count = count
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all: list[_Worker] = []
         self._lock = threading.Lock()
+        self._started = False
+        self._starting = 0                          # workers on their way to ``_idle``
         self._closed = False
-        for _ in range(count):
-            self._add()
+
+    def start(self) -> None:
+        """Start the workers (at most once; ``check`` calls it)."""
+        with self._lock:
+            if self._started or self._closed:
+                return
+            self._started = True
+        for _ in range(self._count):
+            self._respawn()
+
+    def _respawn(self) -> None:
+        with self._lock:
+            self._starting += 1
+        threading.Thread(target=self._add, name="infeng-grammar-respawn", daemon=True).start()
 
     def _add(self) -> None:
-        worker = _Worker(self._context, self._tokenizer)
-        with self._lock:
-            if self._closed:
-                worker.kill()
-                return
-            self._all.append(worker)
+        """Start one worker and queue it once it is ready; a failed start is logged and tried again.
+        This thread then stays until the worker is gone: the worker's parent-death signal is tied
+        to the thread that started it (prctl), so it must not end before the worker does."""
+        delay = 1.0
+        worker: _Worker | None = None
+        try:
+            while True:
+                with self._lock:
+                    if self._closed:
+                        return
+                worker = None
+                try:
+                    worker = _Worker(self._context, self._tokenizer)
+                    with self._lock:
+                        if self._closed:
+                            worker.kill()
+                            return
+                        self._all.append(worker)
+                    worker.wait_ready()
+                    break
+                except (OSError, EOFError, TimeoutError) as e:
+                    with self._lock:
+                        if self._closed:
+                            return
+                        if worker is not None and worker in self._all:
+                            self._all.remove(worker)
+                    if worker is not None:
+                        worker.kill()
+                    _log.error("grammar worker failed to start; retrying", extra={"fields": {
+                        "error": str(e), "retry_in_s": delay}})
+                    time.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+        finally:
+            with self._lock:
+                self._starting -= 1
         self._idle.put(worker)
+        worker.process.join()                  # until it is killed (replaced, closed) or dies
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
         with self._lock:
             if worker in self._all:
                 self._all.remove(worker)
-        threading.Thread(target=self._add, name="infeng-grammar-respawn", daemon=True).start()
+        self._respawn()
 
     def check(self, kind: str, value: Any, param: str, limits: GrammarLimits) -> str:
         """The llguidance grammar of the constraint, within ``limits`` and validated; GrammarError if
         it is over a limit, does not compile, is still compiling after ``limits.compile_seconds``
-        (the worker is killed) or crashes the worker."""
+        (the worker is killed) or crashes the worker. The budget starts when a ready worker takes
+        the constraint; waiting for one is bounded by the budget too (by ``STARTUP_SECONDS`` more
+        while workers are starting)."""
+        self.start()
         budget = limits.compile_seconds
-        deadline = time.monotonic() + budget
         try:
-            worker = self._idle.get(timeout=budget)
+            worker = self._idle.get(timeout=budget + (STARTUP_SECONDS if self._starting else 0.0))
         except queue.Empty:
             raise GrammarBusy(f"every grammar compiler stayed busy for {budget:g} s; retry shortly", param,
                               "grammar_compilers_busy") from None
         try:
-            worker.wait_ready()
             worker.conn.send((kind, value, param, limits))
-            if not worker.conn.poll(max(deadline - time.monotonic(), 0.0)):
+            if not worker.conn.poll(budget):
                 self._replace(worker)
                 _log.warning("grammar compile abandoned at its budget", extra={"fields": {
                     "kind": kind, "param": param, "budget_s": budget}})
                 raise GrammarError(f"{param}: compiling the {kind} constraint took longer than {budget:g} s "
                                    f"(the grammar compile time limit)", param, "grammar_too_expensive")
             status, payload, code = worker.conn.recv()
-        except (EOFError, OSError, TimeoutError) as e:
+        except (EOFError, OSError) as e:
             self._replace(worker)
             exitcode = worker.process.exitcode
             _log.error("grammar compiler crashed", extra={"fields": {"kind": kind, "param": param,

@@ -95,7 +95,7 @@ def loads(text: str | bytes) -> Any:
         except UnicodeEncodeError:
             raise _lone_surrogate() from None
     if too_deep(raw):
-        raise JSONRejected(f"nests arrays and objects more than {MAX_DEPTH} levels deep")
+        raise JSONRejected(f"nests arrays and objects more than {MAX_DEPTH} levels deep (the JSON nesting limit)")
     try:
         value = json.loads(text or "null", parse_constant=_constant, parse_float=_float)
     except JSONRejected:

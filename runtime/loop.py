@@ -302,6 +302,7 @@ class EngineLoop:
                     "prompt_tokens": sched.stats.prompt_tokens,
                     "computed_prompt_tokens": sched.stats.computed_prompt_tokens,
                     "generated_tokens": sched.stats.generated_tokens, "steps": self.stats.steps,
+                    "late_mask_skips": sched.stats.late_mask_skips,
                     "step_seconds": self.stats.step_seconds, "forward_seconds": self.stats.forward_seconds,
                     "overhead_seconds_per_step": self.stats.overhead_seconds, **self._spec_snapshot()}
 

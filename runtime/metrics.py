@@ -87,6 +87,8 @@ class _LoopCollector:
                      s["computed_prompt_tokens"]),
                     ("infeng_generation_tokens", "tokens generated", s["generated_tokens"]),
                     ("infeng_steps", "forward steps run", s["steps"]),
+                    ("infeng_late_mask_skips", "steps a sequence sat out because its grammar mask was late",
+                     s["late_mask_skips"]),
                     ("infeng_step_seconds", "time in loop iterations that ran a step", s["step_seconds"]),
                     ("infeng_step_forward_seconds", "time of those inside the forward call", s["forward_seconds"])]
         for name, doc, value in counters:

@@ -2,13 +2,15 @@
 
 Every call of ``Scheduler.schedule`` plans one forward step under a token budget:
 
-1. running sequences, in priority order (lower ``priority`` first; within one, a client's sequences
-   after those it already had in flight, then FIFO): one token each
-   for those decoding, a prefill chunk for those still prefilling (a chunk never takes the room
-   that decodes later in the order need, so decodes are never starved by a long prompt);
+1. running sequences, in order: a client's sequences after those it already had in flight (so
+   a bystander comes before a greedy client's backlog, whatever priority either asks for), then
+   by priority (lower ``priority`` first), then FIFO: one token each for those decoding, a
+   prefill chunk for those still prefilling (a chunk never takes the room that decodes later in
+   the order need, so decodes are never starved by a long prompt);
 2. then waiting sequences, in the same order, while the budget, a sequence slot and KV blocks
-   last. A new sequence first looks up its prompt's full blocks in the prefix cache and starts
-   its prefill after the cached part.
+   last; while another client has sequences waiting, a client past its share of the slots
+   (``max(1, max_seqs // clients)`` running) is passed over. A new sequence first looks up its
+   prompt's full blocks in the prefix cache and starts its prefill after the cached part.
 
 When a running sequence needs a KV block and none is free, the scheduler *preempts by
 recompute*: the running sequence last in priority order gives up its blocks and slot and goes
@@ -39,14 +41,10 @@ from infeng_common.errors import InfengError
 from .adapters import AdapterPool
 from .kv_cache import BlockAllocator, block_hashes
 from .sampling import SamplingParams, distribution, sample
-from .structured import advance, apply_masks, late_masks, mask_wait
+from .structured import advance, apply_masks, mask_verdicts, mask_wait
 from .speculative import Speculator, accept_greedy, accept_sampled
 
 NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this sequence"
-#: How a sequence's error starts when its grammar ended it (the server answers such a failure 400).
-CONSTRAINT_FAILED = "the output constraint"
-MASK_OVERDUE = (CONSTRAINT_FAILED + "'s next-token mask was not ready within {:g} s (the grammar mask time "
-                "limit, --grammar-mask-timeout); the sequence was ended")
 #: The logprob reported for a token of probability 0 (OpenAI's value; -inf is not JSON).
 LOGPROB_FLOOR = -9999.0
 
@@ -84,7 +82,7 @@ class Request:
     params: SamplingParams
     n: int = 1
     adapter: str | None = None
-    priority: int = 0                       # lower is served first; FIFO within one priority
+    priority: int = 0                       # lower is served first (after the fair-share rank); then FIFO
     logprobs: int | None = None             # None: none; k: the sampled token's and the top k
     sink: Callable[[list["SeqOutput"]], None] | None = None   # called on the engine thread
     context: object = None                  # whatever the consumer wants back with each output
@@ -163,6 +161,7 @@ class SchedulerStats:
     prompt_tokens: int = 0                  # prompt tokens of admitted sequences
     computed_prompt_tokens: int = 0         # prompt tokens actually run (not from the cache)
     generated_tokens: int = 0
+    late_mask_skips: int = 0                # times a sequence skipped a step for a grammar mask not ready
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -233,10 +232,11 @@ class Scheduler:
             self.adapters.hold(request.adapter, request.n)
             namespace = self.adapters.namespace(request.adapter)
         arrival = next(self._arrivals)
-        # within a priority, a client's sequences rank after those it already has in flight (fair
-        # shares: a bystander is served before a greedy client's backlog), then first come first served
+        # a client's sequences rank after those it already has in flight (fair shares: a bystander is
+        # served before a greedy client's backlog, whatever priority the greedy client asks for), then
+        # by priority, then first come first served
         rank = self._client_seqs.get(request.client, 0) if request.client is not None else 0
-        seqs = [Sequence(next(self._ids), request, i, (request.priority, rank + i if request.client else 0, arrival),
+        seqs = [Sequence(next(self._ids), request, i, (rank + i if request.client else 0, request.priority, arrival),
                          namespace)
                 for i in range(request.n)]
         if request.client is not None:
@@ -353,10 +353,15 @@ class Scheduler:
 
     def _admit(self, chosen: list[tuple[Sequence, int]], budget: int) -> int:
         kv = self.kv
+        share = _ClientShare(self)
+        passed_over: list[tuple] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             _, _, seq = self.waiting[0]
             if seq.status != WAITING:          # aborted while waiting
                 heapq.heappop(self.waiting)
+                continue
+            if share.over(seq.request.client):
+                passed_over.append(heapq.heappop(self.waiting))
                 continue
             # the last token is always run (its logits are needed), so at most len-1 come cached
             block_hashes(seq.tokens[:len(seq.tokens) - 1], kv.block_size, seq.namespace, seq.hashes)
@@ -389,8 +394,11 @@ class Scheduler:
                 self.stats.prompt_tokens += seq.prompt_len
             seq.status = RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.order)
+            share.admitted(seq.request.client)
             chosen.append((seq, n))
             budget -= n
+        for entry in passed_over:
+            heapq.heappush(self.waiting, entry)
         return budget
 
     def _preempt(self, seq: Sequence) -> None:
@@ -522,20 +530,11 @@ class Scheduler:
         seqs += [s for s, _ in plan.verify if s.request.grammar is not None and s.status == RUNNING]
         if not seqs:
             return set()
-        positions = late_masks(seqs, forward_seconds, alone=len(seqs) == len(plan.seqs))
-        now = time.monotonic()
-        late = set()
-        for i, seq in enumerate(seqs):
-            grammar = seq.request.grammar
-            if i in positions:
-                if grammar.overdue(seq.index, now):
-                    ended.append(self._finish(seq, "error", MASK_OVERDUE.format(grammar.mask_seconds)))
-                else:
-                    late.add(seq)
-                continue
-            failure = grammar.failure(seq.index)
-            if failure is not None:
-                ended.append(self._finish(seq, "error", f"{CONSTRAINT_FAILED} stopped at a parser limit: {failure}"))
+        skip, errors = mask_verdicts(seqs, forward_seconds, alone=len(seqs) == len(plan.seqs))
+        for i, error in errors.items():
+            ended.append(self._finish(seqs[i], "error", error))
+        late = {seqs[i] for i in skip}
+        self.stats.late_mask_skips += len(late)
         return late
 
     def _verify(self, plan: StepPlan, logits: np.ndarray, late: set[Sequence] | tuple = ()) -> list[SeqOutput]:
@@ -671,3 +670,28 @@ class Scheduler:
 
     def reset_stats(self) -> None:
         self.stats = SchedulerStats()
+
+
+class _ClientShare:
+    """One admission round's fair share: while another client has sequences waiting, no client is
+    admitted past ``max(1, max_seqs // clients)`` running sequences (clients: those with
+    unfinished sequences)."""
+
+    def __init__(self, sched: Scheduler):
+        self.unfinished = sched._client_seqs
+        self.running: dict[str, int] = {}
+        for seq in sched.running:
+            if seq.request.client is not None:
+                self.running[seq.request.client] = self.running.get(seq.request.client, 0) + 1
+        self.cap = max(1, sched.max_seqs // max(len(self.unfinished), 1))
+        self.waiting = {c for c, n in self.unfinished.items() if n > self.running.get(c, 0)}
+
+    def over(self, client: str | None) -> bool:
+        return (client is not None and self.running.get(client, 0) >= self.cap
+                and any(other != client for other in self.waiting))
+
+    def admitted(self, client: str | None) -> None:
+        if client is not None:
+            self.running[client] = self.running.get(client, 0) + 1
+            if self.running[client] >= self.unfinished[client]:
+                self.waiting.discard(client)

@@ -53,7 +53,7 @@ from .chat import (SPECIAL_TOKEN_KEYS, TEMPLATE_GLOBALS, ChatTemplateError, mess
                    template_source)
 from .detokenize import ChoiceText, Delta, TokenTexts
 from .exit_watchdog import exit_after
-from .fair_share import CLIENT, ClientShares
+from .fair_share import CLIENT, ClientShares, ClientsInFlight
 from .grammar_limits import GrammarLimits
 from .grammar_worker import GrammarBusy, GrammarWorkers, TokenizerSpec
 from .http_guard import AccessGuard, AccessPolicy, AdapterRoots, is_loopback_address
@@ -63,9 +63,9 @@ from .metrics import ServerMetrics
 from .request_log import (LOG_FORMATS, LOG_LEVELS, LOGGER, InFlight, RequestLog, RequestRecord, configure_logging,
                           record_of)
 from .sampling import SEED_BOUND, SamplingParams
-from .scheduler import CONSTRAINT_FAILED, QueueFull, Request, RequestError, SeqOutput
+from .scheduler import QueueFull, Request, RequestError, SeqOutput
 from .speculative import SpeculativeConfig
-from .structured import GrammarCompiler, GrammarError, GrammarSpec, tool_call_grammar
+from .structured import CONSTRAINT_FAILED, GrammarCompiler, GrammarError, GrammarSpec, tool_call_grammar
 from .tools import (ToolCall, ToolStream, arguments_object, hermes_messages, parse_forced, parse_tool_calls,
                     template_knows_tools)
 
@@ -84,6 +84,8 @@ GRAMMAR_WORKERS = 2
 #: After SIGTERM, the process exits at most this long after --shutdown-timeout, whatever a thread
 #: is doing (the requests left were ended at the timeout; this is for writing their last events).
 SHUTDOWN_GRACE_SECONDS = 10.0
+#: How long uvicorn waits for open connections once it is told to stop.
+GRACEFUL_SECONDS = 5
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 PRIORITY_BOUND = 1000
@@ -338,8 +340,9 @@ class Server:
         self.token_texts = TokenTexts(self.tokenizer)
         self.grammar_limits = self.options.grammar_limits()
         self.grammars = GrammarCompiler(self.tokenizer, loop.engine.vocab_size, self.grammar_limits)
-        self.text_shares = ClientShares()
-        self.grammar_shares = ClientShares()
+        self.clients = ClientsInFlight()
+        self.text_shares = ClientShares(capacity=TEXT_WORKERS, in_flight=self.clients)
+        self.grammar_shares = ClientShares(capacity=GRAMMAR_WORKERS, in_flight=self.clients)
         self.ending: asyncio.Event | None = None        # set when the shutdown ends what is left
         self.adapter_roots = AdapterRoots(self.options.adapter_roots)
         longest_token = max((len(t) for t in self.tokenizer.hf.get_vocab()), default=1)
@@ -384,7 +387,7 @@ class Server:
         # the last added is the outermost: RequestLog -> _CountRequests -> AccessGuard -> routes
         app.add_middleware(AccessGuard, policy=AccessPolicy(options.api_key, is_loopback_address(options.host),
                                                             options.max_request_bytes))
-        app.add_middleware(_CountRequests, metrics=metrics)
+        app.add_middleware(_CountRequests, metrics=metrics, clients=self.clients)
         app.add_middleware(RequestLog, in_flight=self.in_flight)
 
         @app.exception_handler(APIError)
@@ -641,7 +644,7 @@ class Server:
                                 f"prompts; the limit of matchers per request), not {n * prompts}", param="n",
                            code="grammar_too_large")
         try:
-            release = await self.grammar_shares.acquire(CLIENT.get())
+            release = await self._share(self.grammar_shares)
             compiled = asyncio.wrap_future(self.grammar_pool.submit(self.grammars.grammar, spec))
             compiled.add_done_callback(lambda _: release())
             await self._until_ending(compiled)
@@ -662,6 +665,20 @@ class Server:
             raise _unavailable(f"{SHUTTING_DOWN}; the request was not started", "shutting_down")
         return work.result()
 
+    async def _share(self, shares: ClientShares) -> Callable[[], None]:
+        """The release of this client's turn in ``shares``, or 503 if the shutdown comes first. A
+        request that gives up waiting (the client left, the shutdown) gives the turn back: its wait
+        is cancelled, or the turn it already took released."""
+        waiting = asyncio.ensure_future(shares.acquire(CLIENT.get()))
+        try:
+            return await self._until_ending(waiting)
+        except BaseException:
+            if not waiting.done():
+                waiting.cancel()
+            elif not waiting.cancelled() and waiting.exception() is None:
+                waiting.result()()
+            raise
+
     async def _text_work(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the text thread pool, within ``TEXT_WORK_SECONDS`` from when it starts
         running (time spent waiting behind other requests' work is not held against it); one job
@@ -677,7 +694,7 @@ class Server:
 
         self.text_waiting += 1
         try:
-            release = await self._until_ending(asyncio.ensure_future(self.text_shares.acquire(CLIENT.get())))
+            release = await self._share(self.text_shares)
             future = self.text_pool.submit(run)
             done = asyncio.wrap_future(future)
             done.add_done_callback(lambda _: release())
@@ -1264,16 +1281,21 @@ class Server:
 
 
 class _CountRequests:
-    """Counts /v1/ requests by endpoint and status (plain ASGI: a BaseHTTPMiddleware would hide
-    client disconnects from the handlers)."""
+    """Counts /v1/ requests by endpoint and status, and the clients with one in flight (plain ASGI:
+    a BaseHTTPMiddleware would hide client disconnects from the handlers)."""
 
-    def __init__(self, app, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics: ServerMetrics, clients: ClientsInFlight):
+        self.app, self.metrics, self.clients = app, metrics, clients
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
-        CLIENT.set((scope.get("client") or ("",))[0])        # fair shares are per peer address
+        client = (scope.get("client") or ("",))[0]
+        CLIENT.set(client)                                    # fair shares are per peer address
+        with self.clients.request(client):
+            await self._count(scope, receive, send)
+
+    async def _count(self, scope, receive, send):
         status = [500]
 
         async def send_status(message):
@@ -1407,12 +1429,14 @@ def serve(artifact: str | Path, options: ServeOptions) -> None:
     listener = bind_listener(options.host, options.port)
     server = build_server(artifact, options)
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level,
-                            log_config=None, access_log=False, timeout_graceful_shutdown=5)
+                            log_config=None, access_log=False, timeout_graceful_shutdown=GRACEFUL_SECONDS)
     runner = _UvicornServer(config, server)
 
     def request_exit(code: int) -> None:
         if server.exit_code is None:
             server.exit_code = code
+            if code:                              # the engine loop died: no drain, but a stuck thread
+                exit_after(GRACEFUL_SECONDS + SHUTDOWN_GRACE_SECONDS, lambda: server.exit_code)   # must not hold us
         runner.should_exit = True
 
     server.request_exit = request_exit

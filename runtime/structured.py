@@ -20,6 +20,7 @@ thread while the forward call runs), and ``mask_draft_rows`` applies them (docs/
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from .grammar_limits import GrammarError, GrammarLimits, check_spec, parser_limits
-from .grammar_worker import GrammarWorkers
+from .grammar_worker import WORKER_STACK_BYTES, GrammarWorkers
 from .tokenizer import Tokenizer
 
 #: What a disallowed token's logit becomes: finite, so the finiteness checks still see NaN/Inf in
@@ -43,16 +44,24 @@ MASKED_LOGIT = float(np.finfo(np.float32).min)
 #: whitespace can pad a document with newlines until max_tokens).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+#: The stack of the thread that builds a matcher in the server process: explicit, not whatever the
+#: platform gives a thread by default, and four times the stack the worker process proved the
+#: grammar compiles on (grammar_worker.py).
+COMPILE_STACK_BYTES = 4 * WORKER_STACK_BYTES
+_stack_size_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
     """One constraint: ``kind`` in GRAMMAR_KINDS and its value (a schema dict, a regex, choices, a
-    Lark or GBNF grammar); ``param`` names the request field it came from (for errors)."""
+    Lark or GBNF grammar); ``param`` names the request field it came from (for errors);
+    ``wrapper_depth`` is the nesting the server wrapped around what the client sent (tool calls:
+    the client's parameter schemas are held to the depth limit, not the wrapper around them)."""
 
     kind: str
     value: Any = None
     param: str = "response_format"
+    wrapper_depth: int = 0
 
     def key(self) -> str:
         return json.dumps([self.kind, self.value], sort_keys=True)
@@ -73,9 +82,13 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None) -> GrammarS
     if name is not None:
         fn = next(f for f in fns if f["name"] == name)
         return GrammarSpec("json", params(fn), "tool_choice")
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": params(f)},
-              "required": ["name", "parameters"], "additionalProperties": False} for f in fns]
-    return GrammarSpec("json", {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "tool_choice")
+    def calls(schema_of: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+        return {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": schema_of(f)},
+             "required": ["name", "parameters"], "additionalProperties": False} for f in fns]}}
+
+    # a call's parameters sit 5 levels down: {items: {anyOf: [{properties: {parameters: ...}}]}}
+    return GrammarSpec("json", calls(params), "tool_choice", wrapper_depth=5)
 
 
 def llguidance_grammar(kind: str, value: Any, param: str) -> str:
@@ -107,6 +120,12 @@ def llguidance_grammar(kind: str, value: Any, param: str) -> str:
     raise GrammarError(f"unknown constraint {kind!r}", param)
 
 
+#: Refusals that another try may not repeat (the compile ran out of time on a busy machine, or found
+#: every compiler busy): never remembered. The others (over a limit, does not compile, crashed the
+#: compiler) are the grammar's own and are refused at once when it comes again.
+TRANSIENT_REFUSALS = frozenset({"grammar_too_expensive", "grammar_compilers_busy"})
+
+
 def _remember(cache: dict, key: str, value: Any) -> None:
     if len(cache) > 256:
         cache.clear()
@@ -127,7 +146,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._ll_tokenizer = None
         self._checked: dict[str, str] = {}
-        self._refused: dict[str, GrammarError] = {}
+        self._refused: dict[str, tuple[str, str | None]] = {}    # key -> (message with {param}, code)
 
     @property
     def ll_tokenizer(self):
@@ -143,22 +162,28 @@ class GrammarCompiler:
     def grammar(self, spec: GrammarSpec) -> str:
         """The llguidance grammar of ``spec``, within the limits and checked against the tokenizer
         (in a worker process when the compiler has workers); GrammarError if bad."""
-        check_spec(spec.kind, spec.value, spec.param, self.limits, deep=self.workers is None)
+        limits = self.limits if not spec.wrapper_depth else \
+            dataclasses.replace(self.limits, max_depth=self.limits.max_depth + spec.wrapper_depth)
+        check_spec(spec.kind, spec.value, spec.param, limits, deep=self.workers is None)
         key = spec.key()
         cached = self._checked.get(key)
         if cached is not None:
             return cached
         refused = self._refused.get(key)
         if refused is not None:                    # the same bad grammar again: no second compile
-            raise GrammarError(refused.args[0], spec.param, refused.code)
+            reason, code = refused
+            raise GrammarError(reason.format(param=spec.param), spec.param, code)
         try:
             if self.workers is not None:
-                grammar = self.workers.check(spec.kind, spec.value, spec.param, self.limits)
+                grammar = self.workers.check(spec.kind, spec.value, spec.param, limits)
             else:
                 grammar = self._check_here(spec)
         except GrammarError as e:
-            if e.code != "grammar_compilers_busy":
-                _remember(self._refused, key, e)
+            if e.code not in TRANSIENT_REFUSALS:
+                reason = str(e).replace("{", "{{").replace("}", "}}")
+                if e.param and reason.startswith(f"{e.param}: "):     # the next request names its own field
+                    reason = "{param}" + reason[len(e.param):]
+                _remember(self._refused, key, (reason, e.code))
             raise
         _remember(self._checked, key, grammar)
         return grammar
@@ -184,7 +209,9 @@ class GrammarCompiler:
         import llguidance
 
         grammar = self.grammar(spec)
-        first = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=parser_limits())
+        ll_tokenizer = self.ll_tokenizer
+        first = on_compile_stack(lambda: llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0,
+                                                              limits=parser_limits()))
         if first.is_error():
             raise GrammarError(f"the {spec.kind} constraint does not compile: {first.get_error()[:500]}", spec.param)
         matchers = [first] + [first.deep_copy() for _ in range(n - 1)]
@@ -193,11 +220,42 @@ class GrammarCompiler:
         return c
 
 
+def on_compile_stack(build: Callable[[], Any]) -> Any:
+    """``build()`` on a new thread of ``COMPILE_STACK_BYTES`` of stack (the calling thread waits)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = build()
+        except BaseException as e:             # re-raised on the calling thread
+            outcome["error"] = e
+
+    with _stack_size_lock:                     # the size is the process's, for threads started now
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="infeng-grammar-matcher", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+#: How a sequence's error starts when its grammar ended it (the server answers such a failure 400).
+CONSTRAINT_FAILED = "the output constraint"
+MASK_OVERDUE = (CONSTRAINT_FAILED + "'s next-token mask was not ready within {:g} s (the grammar mask time "
+                "limit, --grammar-mask-timeout); the sequence was ended")
+
+
 #: Threads computing masks (llguidance drops the GIL): one request's matchers do not queue behind
 #: each other's, nor a slow grammar's masks in front of everyone's. They run at a lower priority
-#: than the engine loop (``MASK_NICE``), so mask work never slows the forward calls of others.
+#: than the engine loop (``MASK_NICE``), so mask work yields to the forward calls of others; a
+#: mild one: at nice 19 they lost the CPU to the engine's spinning pool on a 2-core machine and
+#: nearly every mask came late.
 MASK_WORKERS = 4
-MASK_NICE = 19
+MASK_NICE = 5
 #: How long a step waits for masks not ready when its forward call ends: this share of the forward
 #: call's time; a sequence whose mask is later is skipped for the step (its last position runs
 #: again next step). When every sampled row waits for a mask (nobody else to serve), up to
@@ -389,6 +447,28 @@ def late_masks(seqs: list[Any], forward_seconds: float, alone: bool) -> set[int]
     budget = MASK_IDLE_WAIT if idle else mask_wait(forward_seconds)
     futures_wait([f for _, f in waiting], timeout=budget)
     return {i for i, f in waiting if not f.done()}
+
+
+def mask_verdicts(seqs: list[Any], forward_seconds: float, alone: bool) -> tuple[set[int], dict[int, str]]:
+    """After a step's forward call, for its constrained sequences ``seqs``: the positions of those
+    whose masks are late (``late_masks``: they sit the step out) and, by position, the error of
+    those to end (a mask past its time limit, a matcher stopped at a parser limit)."""
+    late = late_masks(seqs, forward_seconds, alone)
+    now = time.monotonic()
+    skip: set[int] = set()
+    ended: dict[int, str] = {}
+    for i, seq in enumerate(seqs):
+        grammar = seq.request.grammar
+        if i in late:
+            if grammar.overdue(seq.index, now):
+                ended[i] = MASK_OVERDUE.format(grammar.mask_seconds)
+            else:
+                skip.add(i)
+            continue
+        failure = grammar.failure(seq.index)
+        if failure is not None:
+            ended[i] = f"{CONSTRAINT_FAILED} stopped at a parser limit: {failure}"
+    return skip, ended
 
 
 def apply_masks(logits: np.ndarray, rows: list[tuple[int, Any]]) -> None:

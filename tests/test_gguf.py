@@ -583,6 +583,27 @@ def test_bad_tensor_layout_is_one_line_exit_2(hf_checkpoint, tmp_path: Path, cas
     test_bad_gguf_is_one_line_exit_2(hf_checkpoint, tmp_path, case)
 
 
+@pytest.mark.parametrize("alignment", [0, 24])
+def test_alignment_zero_or_not_a_power_of_two_is_one_line(tmp_path: Path, monkeypatch, alignment) -> None:
+    """general.alignment 0 (``offset % 0``) or 24: one line naming the file, whatever the gguf
+    package checks itself."""
+    from infeng_common.errors import ModelFormatError
+
+    path = tmp_path / "aligned.gguf"
+    path.write_bytes(b"GGUF")
+    reader = gguf_frontend._reader_class()
+    r = reader.__new__(reader)
+    r.path, r.alignment = path, alignment
+    with pytest.raises(ModelFormatError, match=f"^{path}: general.alignment is {alignment};"):
+        r._check_layout([(0, 4, "t")])
+
+    def divide(self, *args, **kwargs):                   # a gguf package that does not check it
+        return 4 % 0
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", divide)
+    with pytest.raises(ModelFormatError, match=f"^{path}: general.alignment is 0;"):
+        gguf_frontend.GGUFFile(path)
+
+
 def _byte_level_vocab(**edits) -> dict:
     """A gpt2 (byte-level BPE) vocabulary of 64 tokens with one merge, edited."""
     alphabet = list(gguf_frontend.byte_alphabet().values())

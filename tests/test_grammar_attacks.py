@@ -62,7 +62,7 @@ ATTACKS = [
     (completion(guided_choice=[f"w{i}" for i in range(100_000)]), "guided_choice", "number of choices"),
     (completion(guided_choice=["x" * 2000] * 100), "guided_choice", "total size"),
     (completion(guided_regex="(" * 200 + "a" + ")" * 200), "guided_regex", "nesting depth"),
-    (completion(guided_json=json.dumps(nested_schema(100))), "guided_json", "nesting depth"),   # as JSON text
+    (completion(guided_json=json.dumps(nested_schema(100))), "guided_json", "64 levels deep"),  # as JSON text
     (completion(guided_regex="[a-z]", n=32), "n", "at most 16 sequences"),
 ]
 
@@ -267,7 +267,8 @@ def test_sigterm_under_attack_ends_the_process_within_the_timeout(artifact, tmp_
         for t in attackers + others:
             t.join(60)
     print(json.dumps({"sigterm_to_exit_s": round(elapsed, 3), "exit_code": code, "attacks": len(results)}))
-    assert elapsed < timeout + SHUTDOWN_GRACE_SECONDS and code in (0, 1)
+    assert code == 0                                   # drained (or the watchdog's exit, which keeps the code)
+    assert elapsed < timeout + SHUTDOWN_GRACE_SECONDS + 2   # the watchdog fires at timeout + grace
     for lines in streams.values():                     # ended at the timeout: an error event, then [DONE]
         assert lines[-1] == "data: [DONE]"
         assert any(line.startswith('data: {"error"') and "shutting_down" in line for line in lines)

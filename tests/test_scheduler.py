@@ -185,6 +185,31 @@ def test_priorities_then_fifo():
     assert order == ["a", "d", "b", "c"]
 
 
+def test_a_greedy_client_cannot_take_every_slot():
+    """A greedy client asking for the top priority with a backlog of requests: a bystander arriving
+    later is served when the first slot frees, before the backlog drains; and a client with
+    fresher (lower-ranked) requests is held to its share of the slots while another one waits."""
+    sched = make_scheduler(max_seqs=4, budget=64, max_waiting=64)
+    for i in range(12):
+        sched.add(request(f"greedy-{i}", 3, max_new=4, priority=-1000, client="10.0.0.1"))
+    run_step(sched)
+    sched.add(request("bystander", 3, max_new=2, start=5, client="10.0.0.2"))
+    finished: list[str] = []
+    while sched.has_work:
+        _, outs = run_step(sched)
+        finished += [o.request.request_id for o in outs if o.finish_reason]
+    assert finished.index("bystander") < 8          # after the first four greedy ones
+
+    sched = make_scheduler(max_seqs=4, budget=64, max_waiting=64)
+    sched.add(request("bystander", 3, max_new=2, n=8, client="10.0.0.2"))
+    run_step(sched)                                  # four of its eight run
+    for i in range(4):                               # ranks 0-3: before the bystander's waiting 4-7
+        sched.add(request(f"greedy-{i}", 3, max_new=4, start=5, client="10.0.0.1"))
+    while not any(s.request.client == "10.0.0.1" for s in sched.running):
+        run_step(sched)
+    assert sum(s.request.client == "10.0.0.1" for s in sched.running) == 2     # its share: 4 // 2
+
+
 def test_admission_bound_and_request_checks():
     sched = make_scheduler(max_waiting=3)
     sched.add(request("x", 3, n=2))

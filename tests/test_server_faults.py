@@ -642,6 +642,43 @@ def test_engine_loop_failure_answers_503_and_exits_1(artifact, tmp_path):
     assert "engine loop failed; exiting" in (tmp_path / "serve.log").read_text()
 
 
+#: DYING_ENGINE whose tokenizer also hangs (a thread the interpreter would wait for at exit) on a
+#: prompt with "stuck" in it.
+STUCK_AND_DYING = DYING_ENGINE.replace("Engine.forward = dying_forward", """Engine.forward = dying_forward
+import time
+from infeng_runtime.tokenizer import Tokenizer
+encode_batch = Tokenizer.encode_batch
+
+def stuck_encode_batch(self, texts, *args, **kwargs):
+    if any("stuck" in t for t in texts):
+        time.sleep(600)
+    return encode_batch(self, texts, *args, **kwargs)
+
+Tokenizer.encode_batch = stuck_encode_batch""")
+
+
+@pytest.mark.slow
+def test_engine_loop_failure_exits_even_with_a_stuck_thread(artifact, tmp_path):
+    """The exit watchdog is armed when the engine loop dies too, not only on SIGTERM: a text
+    thread stuck in native code cannot keep the process alive past uvicorn's wait plus the grace."""
+    from infeng_runtime.server import GRACEFUL_SECONDS, SHUTDOWN_GRACE_SECONDS
+
+    flag = tmp_path / "die"
+    command = [sys.executable, "-c", STUCK_AND_DYING, str(flag)]
+    with server_process(artifact, "--max-seqs", "1", log=tmp_path / "serve.log", command=command) as (proc, url):
+        stuck = threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json=completion(
+            prompt="stuck"), timeout=60), daemon=True)
+        stuck.start()
+        time.sleep(0.5)
+        flag.touch()
+        t0 = time.monotonic()
+        httpx.post(f"{url}/v1/completions", json=completion(), timeout=60)     # runs forward: the loop dies
+        code = proc.wait(GRACEFUL_SECONDS + SHUTDOWN_GRACE_SECONDS + 30)
+        elapsed = time.monotonic() - t0
+    assert code == 1 and elapsed < GRACEFUL_SECONDS + SHUTDOWN_GRACE_SECONDS + 5
+    assert "exiting now" in (tmp_path / "serve.log").read_text()
+
+
 @pytest.fixture
 def in_process(artifact):
     """A Server over a real engine loop, driven in-process through Starlette's TestClient."""

@@ -89,6 +89,11 @@ _GENERATED_VERSION = 1
 
 # ---------------------------------------------------------------------------------------------
 # reading the file
+def _bad_alignment(path: Path, alignment: int | None) -> str:
+    value = "" if alignment is None else f" is {alignment};"
+    return f"{path}: general.alignment{value} must be a power of two (tensor data offsets are multiples of it)"
+
+
 @lru_cache(maxsize=1)
 def _reader_class():
     import gguf
@@ -125,6 +130,8 @@ def _reader_class():
         def _check_layout(self, spans: list[tuple[int, int, str]]) -> None:
             """Every tensor starts at a multiple of the alignment, and no two share a byte."""
             alignment = int(self.alignment)
+            if alignment <= 0 or alignment & (alignment - 1):
+                raise ModelFormatError(_bad_alignment(self.path, alignment))
             for offset, _, name in spans:
                 if offset % alignment:
                     raise ModelFormatError(f"{self.path}: tensor {name}: data offset {offset} is not a multiple of "
@@ -241,8 +248,12 @@ class GGUFFile:
             self.reader = _reader_class()(path)
         except (ModelFormatError, UnsupportedError):
             raise
+        except ZeroDivisionError:                 # a gguf package that does not check general.alignment
+            raise ModelFormatError(_bad_alignment(path, 0)) from None
         except (ValueError, IndexError, OverflowError, UnicodeDecodeError, KeyError, OSError) as e:
             # the gguf package's own words (numpy's reshape and index errors) would not help: say where
+            if "alignment" in str(e):
+                raise ModelFormatError(_bad_alignment(path, None)) from None
             what = "not a GGUF file (bad magic)" if "magic" in str(e) else (
                 f"truncated or malformed GGUF header: its metadata and tensor table do not parse "
                 f"(the file has {path.stat().st_size:,} bytes)")

@@ -23,7 +23,9 @@ What it does, in order:
    codes travel with the weight (``Weight.quant``), the format is ``attrs["format"]``;
 4. every value read by a ``linear``/``logits`` with an integer weight goes through a
    ``quantize_act`` node, as the integer kernels compute: int8 per token in blocks of 32 for int4
-   weights, int16 per token for int8 weights (int8 activations would double int8's error).
+   weights, int16 per token for int8 weights (int8 activations would double int8's error); the
+   ``act-precision`` pass that follows in the default pipeline keeps f32 activations for
+   decode-sized steps (``passes/act_precision.py``).
 
 The interpreter then computes what the compiled model computes, up to the order of accumulation.
 A summary of formats and bytes is left in ``PassContext.quant_report`` (the calibration token count in

@@ -3,12 +3,16 @@
 ``hf_checkpoint(name)`` builds (once) a tiny random-init model with **transformers** and saves it
 with ``save_pretrained``, so the files are what transformers itself writes; ``HF_VARIANTS`` lists
 the names. ``synthetic_checkpoint(preset)`` builds a preset of ``infeng_models.synthetic`` (no torch).
+
+The suite writes under its own pytest temp folder: ``suite_cache`` points ``XDG_CACHE_HOME`` there
+for the whole run, subprocesses included. The real GGUF's download cache (``$INFENG_ASSETS_CACHE``,
+default ``~/.cache/infeng/assets``, not under ``XDG_CACHE_HOME``) is kept, so it works offline.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -79,6 +83,19 @@ def build_hf_checkpoint(variant: Variant, out_dir: Path, seed: int = 0) -> Path:
     kwargs = {"max_shard_size": variant.max_shard_size} if variant.max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``XDG_CACHE_HOME`` for the run: ``<the run's temp folder>/cache``, for this process and the
+    subprocesses it starts. infeng's caches (compiled libraries, artifacts, GGUF tokenizers) and any
+    other tool's go there, not to the user's ``~/.cache``; every run starts cold, as a new user's
+    does, and builds each library once (the build cache is content-addressed). An
+    ``INFENG_CACHE_DIR`` set by the caller still holds the libraries, to reuse them across runs."""
+    root = tmp_path_factory.mktemp("cache", numbered=False)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("XDG_CACHE_HOME", str(root))
+        yield root
 
 
 @pytest.fixture(scope="session")

@@ -141,11 +141,23 @@ def synthetic_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[.
     return get
 
 
+#: Session fixtures of real models: every test that uses one (directly or through another
+#: fixture) is marked slow, so the default run leaves it to `.ci/run`'s `-m slow`.
+SLOW_FIXTURES = frozenset({"smollm2_server"})
+
+
+@pytest.hookimpl(tryfirst=True)          # before ``-m`` deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def smollm2_server(tmp_path_factory: pytest.TempPathFactory):
     """The real SmolLM2-135M-Instruct (its GGUF from the package registry) served as "smollm2" with
     int4 weights, 4 sequences of up to 1,024 tokens: the server the tool-calling and Responses
-    tests talk to through the official client. Started once per session."""
+    tests talk to through the official client. Started once per session; its tests are slow."""
     from _serving import running_server
 
     from infeng_models import registry

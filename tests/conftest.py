@@ -3,12 +3,16 @@
 ``hf_checkpoint(name)`` builds (once) a tiny random-init model with **transformers** and saves it
 with ``save_pretrained``, so the files are what transformers itself writes; ``HF_VARIANTS`` lists
 the names. ``synthetic_checkpoint(preset)`` builds a preset of ``infeng_models.synthetic`` (no torch).
+
+The suite writes under its own pytest temp folder: ``suite_cache`` points ``XDG_CACHE_HOME`` there
+for the whole run, subprocesses included. The real GGUF's download cache (``$INFENG_ASSETS_CACHE``,
+default ``~/.cache/infeng/assets``, not under ``XDG_CACHE_HOME``) is kept, so it works offline.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -81,6 +85,19 @@ def build_hf_checkpoint(variant: Variant, out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
+@pytest.fixture(scope="session", autouse=True)
+def suite_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``XDG_CACHE_HOME`` for the run: ``<the run's temp folder>/cache``, for this process and the
+    subprocesses it starts. infeng's caches (compiled libraries, artifacts, GGUF tokenizers) and any
+    other tool's go there, not to the user's ``~/.cache``; every run starts cold, as a new user's
+    does, and builds each library once (the build cache is content-addressed). An
+    ``INFENG_CACHE_DIR`` set by the caller still holds the libraries, to reuse them across runs."""
+    root = tmp_path_factory.mktemp("cache", numbered=False)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("XDG_CACHE_HOME", str(root))
+        yield root
+
+
 @pytest.fixture(scope="session")
 def assets() -> Path:
     """../shared/assets (real trained weights and text); never copied into the repository."""
@@ -124,11 +141,23 @@ def synthetic_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[.
     return get
 
 
+#: Session fixtures of real models: every test that uses one (directly or through another
+#: fixture) is marked slow, so the default run leaves it to `.ci/run`'s `-m slow`.
+SLOW_FIXTURES = frozenset({"smollm2_server"})
+
+
+@pytest.hookimpl(tryfirst=True)          # before ``-m`` deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def smollm2_server(tmp_path_factory: pytest.TempPathFactory):
     """The real SmolLM2-135M-Instruct (its GGUF from the package registry) served as "smollm2" with
     int4 weights, 4 sequences of up to 1,024 tokens: the server the tool-calling and Responses
-    tests talk to through the official client. Started once per session."""
+    tests talk to through the official client. Started once per session; its tests are slow."""
     from _serving import running_server
 
     from infeng_models import registry

@@ -10,7 +10,7 @@ from pathlib import Path
 import cffi
 import pytest
 
-from infeng_compiler.codegen.build import BuildError, build_library
+from infeng_compiler.codegen.build import OBJECTS_DIR, BuildError, build_library
 from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources
 from infeng_compiler.codegen.target import TARGETS
 
@@ -50,7 +50,9 @@ def test_concurrent_builds_share_one_entry(cache: Path):
     paths = {p.communicate()[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)
     assert len(paths) == 1
-    assert [e.name for e in cache.iterdir()] == [Path(paths.pop()).parent.name]   # no temp dirs left behind
+    entries = sorted(e.name for e in cache.iterdir())
+    assert entries == sorted([OBJECTS_DIR, Path(paths.pop()).parent.name])      # no temp dirs left behind
+    assert all(o.suffix == ".o" and len(o.stem) == 64 for o in (cache / OBJECTS_DIR).iterdir())
     sources, baseline = small_library()
     library = build_library(sources, TARGETS["scalar"], baseline_sources=baseline)
     assert library.cache_hit
@@ -60,6 +62,19 @@ def test_concurrent_builds_share_one_entry(cache: Path):
     a, b, out = ffi.new("float[8]", [1.0] * 8), ffi.new("float[8]", [2.0] * 8), ffi.new("float[8]")
     getattr(lib, SPECS[0].symbol)(a, b, 1, out)
     assert list(out) == [3.0] * 8
+
+
+def test_objects_are_shared_between_libraries(cache: Path):
+    """A library that differs from a built one in one unit compiles that unit alone."""
+    sources, baseline = small_library()
+    build_library(sources, TARGETS["scalar"], baseline_sources=baseline)
+    objects = set((cache / OBJECTS_DIR).iterdir())
+    extra = KernelSpec.make("add", "scalar", N=16)
+    more_sources, more_baseline = library_sources([*SPECS, extra], TARGETS["scalar"])
+    assert set(more_sources) - set(sources) == {f"{extra.symbol}.c"}
+    library = build_library(more_sources, TARGETS["scalar"], baseline_sources=more_baseline)
+    assert not library.cache_hit
+    assert len(set((cache / OBJECTS_DIR).iterdir()) - objects) == 1
 
 
 def test_compile_error_names_file_and_line(cache: Path):

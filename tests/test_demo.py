@@ -24,6 +24,7 @@ def demo(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_demo_chats_with_the_real_model(smollm2):
     first = demo("-n", "24", "--prompt", "What is the capital of Germany?")
     assert first.returncode == 0, first.stderr

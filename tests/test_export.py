@@ -70,6 +70,7 @@ def test_unsupported_family_is_one_line(hf_checkpoint, tmp_path):
     assert result.exit_code == 2 and "llama, mistral and qwen2" in result.output
 
 
+@pytest.mark.slow
 def test_byte_level_bpe_vocabulary_and_chat_template(tmp_path):
     """SmolLM2's GGUF (byte-level BPE with merges, a ChatML template) exported again: transformers
     reads the same tokenizer and template from the new file."""

@@ -172,6 +172,7 @@ def test_smollm2_import(smollm2: Path) -> None:
     assert next(graph.find("rope")).attrs["theta"] == 100000.0
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_transformers(smollm2: Path, smollm2_reference, smollm2_artifact: Path) -> None:
     """The interpreter on the imported graph (the exact Q4_1/Q8_0 weights' values, f32 activations)
     within 1e-4 of transformers; the artifact compiled with ``--dtype f32`` (every weight widened to
@@ -194,6 +195,7 @@ def test_smollm2_logits_match_transformers(smollm2: Path, smollm2_reference, smo
     _assert_all_close(compiled, expected, RTOL, "compiled against transformers")
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_matches_transformers(smollm2: Path, smollm2_reference, smollm2_artifact: Path) -> None:
     tokenizer = Tokenizer(model_source(smollm2).tokenizer_dir)
     prompts = [tokenizer.encode("Once upon a time, in a land far away,"),
@@ -209,6 +211,7 @@ def test_smollm2_greedy_matches_transformers(smollm2: Path, smollm2_reference, s
     assert greedy(Interpreter(import_model(smollm2)), prompts, n) == want
 
 
+@pytest.mark.slow
 def test_smollm2_chat_answers_paris(smollm2_artifact: Path) -> None:
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
@@ -226,6 +229,7 @@ def test_smollm2_chat_answers_paris(smollm2_artifact: Path) -> None:
     assert "Paris" in completion.text, completion.text
 
 
+@pytest.mark.slow
 def test_smollm2_kept_exact_by_default(smollm2: Path, smollm2_artifact: Path, tmp_path: Path) -> None:
     """Without --dtype the GGUF's Q4_1 and Q8_0 matrices are compiled code for code (q4g32m,
     q8g32), a quarter of the f32 bytes; their kernels read int8/int16 activations as llama.cpp's
@@ -633,6 +637,7 @@ def test_malformed_tokenizer_arrays_are_one_line(hf_checkpoint, tmp_path: Path, 
         assert needle in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_smollm2_served_answers_paris(smollm2: Path, tmp_path: Path, monkeypatch) -> None:
     """``infeng serve FILE.gguf --dtype f32`` (compiled into the artifact cache), the official openai
     client, the file's ChatML template: greedy, the France question is answered with Paris."""

@@ -621,6 +621,7 @@ def eval_json(artifact: Path, base: Path, assets: Path) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_stories260k_kv_quality(stories_artifacts, assets):
     """fht-int8 and fht-int4 with a 32-token f16 window meet the issue's drift bounds, and the rotation
     cuts int4's KL divergence by more than 3x (without a window see docs/kv-cache.md: head_dim 8)."""
@@ -638,6 +639,7 @@ def test_stories260k_kv_quality(stories_artifacts, assets):
     assert fht4["kv_bytes_per_token"] == 5 * 2 * 4 * (4 + 2)
 
 
+@pytest.mark.slow
 def test_stories260k_fht_int8_centred(stories_artifacts, assets):
     """The issue's fht-int8 bound without a window: K centred on calibration text (bytes 200,000-400,000)
     takes the drift from +0.10% to about +0.03% and the KL divergence from 0.0036 to about 0.0011

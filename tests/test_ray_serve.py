@@ -87,6 +87,7 @@ def test_cli_refuses_bad_input_in_one_line(artifact):
     assert out.stderr.strip().count("\n") == 0 and "--replicas 2" in out.stderr
 
 
+@pytest.mark.slow
 def test_cli_serves_and_stops_on_sigterm(artifact, tmp_path):
     """``infeng serve-ray ARTIFACT`` starts its own Ray cluster, answers, and exits 0 on SIGTERM
     (run first: the module's cluster starts after it)."""
@@ -110,6 +111,7 @@ def test_cli_serves_and_stops_on_sigterm(artifact, tmp_path):
             proc.wait(30)
 
 
+@pytest.mark.slow
 def test_cli_replicas_that_cannot_load_are_one_line(artifact, tmp_path):
     """An artifact the replicas refuse (here: no tokenizer) ends serve-ray with the replica's reason
     on one line, exit 2."""
@@ -180,6 +182,7 @@ def streams(url: str, requests: list[tuple[str, str, int]]) -> list[tuple[str, s
     return asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_models_and_health(cluster):
     models = httpx.get(f"{cluster}/v1/models", timeout=30).json()["data"]
     assert [m["id"] for m in models] == ["stories260K", *ADAPTER_NAMES, "broken"]
@@ -187,6 +190,7 @@ def test_models_and_health(cluster):
     assert health.status_code == 200 and health.json()["replicas"]["running"] == 2
 
 
+@pytest.mark.slow
 def test_32_streams_equal_infeng_serve_on_both_replicas(cluster, references):
     results = streams(cluster, [("stories260K", p, STREAM_TOKENS) for p in PROMPTS])
     for prompt, (text, _) in zip(PROMPTS, results):
@@ -195,6 +199,7 @@ def test_32_streams_equal_infeng_serve_on_both_replicas(cluster, references):
     assert len(replicas) == 2 and "" not in replicas, f"replicas that answered: {replicas}"
 
 
+@pytest.mark.slow
 def test_chat_streams_equal_infeng_serve(cluster, references):
     async def chat(client, model: str) -> str:
         stream = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=STREAM_TOKENS,
@@ -210,6 +215,7 @@ def test_chat_streams_equal_infeng_serve(cluster, references):
     assert adapted == references[(ADAPTER_NAMES[0], "chat", STREAM_TOKENS)]
 
 
+@pytest.mark.slow
 def test_errors_are_the_same_as_infeng_serve(cluster):
     missing = httpx.post(f"{cluster}/v1/completions", timeout=30,
                          json={"model": "nope", "prompt": "x", "max_tokens": 2})
@@ -224,6 +230,7 @@ def test_errors_are_the_same_as_infeng_serve(cluster):
     assert loads.status_code == 403 and loads.json()["error"]["code"] == "adapter_loads_disabled"
 
 
+@pytest.mark.slow
 def test_three_adapters_over_two_replicas_with_one_slot_each(cluster, references):
     wanted = [(name, p) for _ in range(2) for name in ADAPTER_NAMES for p in ADAPTER_PROMPTS]
     results = streams(cluster, [(name, p, STREAM_TOKENS) for name, p in wanted])
@@ -233,6 +240,7 @@ def test_three_adapters_over_two_replicas_with_one_slot_each(cluster, references
                                                                                   STREAM_TOKENS)]
 
 
+@pytest.mark.slow
 def test_replica_metrics_through_ray(cluster):
     """Each replica's samples (vLLM's names with ``_`` for ``:``) reach Ray's Prometheus export,
     tagged with the replica."""
@@ -247,6 +255,7 @@ def test_replica_metrics_through_ray(cluster):
     wait_for(exported, 90, lambda: f"replicas seen: {seen}")
 
 
+@pytest.mark.slow
 def test_replica_killed_mid_load(cluster, references):
     """Kill an engine replica while 12 long streams run: each completes (its text the reference) or
     ends with an error event then [DONE] (its text a prefix of the reference); none hangs; Ray
@@ -393,6 +402,7 @@ def test_config_refuses_adapters_without_slots(tmp_path, adapter_dirs):
         RayServeConfig(no_slots, replicas=5, min_replicas=1, max_replicas=2).check()
 
 
+@pytest.mark.slow
 def test_autoscaling_adds_a_replica_under_load(cluster, artifact):
     """Last (it replaces the module's application): 1 replica, at most 2, target 2 requests in
     flight per replica; 8 streams at once make Ray start the second replica."""

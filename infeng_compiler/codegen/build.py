@@ -5,6 +5,10 @@ messages and debuggers point at real files) and ``libmodel.so``. The key covers 
 flags and the compiler's version, so a second build of the same model is a directory lookup.
 Entries are built in a private temporary directory and published with one atomic ``os.replace``:
 two processes building the same library at once both succeed and one of the two results is kept.
+
+Object files are cached too, in ``<cache>/objects/<sha256>.o``, keyed by the unit's text, every
+header, the unit's flags and the compiler's version: a library that differs from a built one in a
+few units (another model of the same shapes, other adapter slots) compiles only those units.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ BASE_FLAGS = ("-std=c11", "-O3", "-fPIC", "-pthread", "-ffp-contract=fast", "-fn
 LINK_FLAGS = ("-shared", "-pthread")
 LIBS = ("-lm",)
 LIBRARY_NAME = "libmodel.so"
+OBJECTS_DIR = "objects"
 #: Compiler diagnostics shown in a BuildError, at most.
 MAX_ERRORS_SHOWN = 5
 
@@ -103,21 +108,26 @@ def build_library(sources: dict[str, str], target: Target, *, baseline_sources: 
         for name, text in sources.items():
             (src / name).write_text(text, encoding="utf-8")
         units = sorted(n for n in sources if n.endswith(".c"))
-        commands = {n: [*cc, *(baseline_flags if n in baseline_sources else isa_flags), "-c", str(src / n),
-                        "-o", str(work / (n[:-2] + ".o"))] for n in units}
-        with ThreadPoolExecutor(max_workers=max(1, min(len(units), os.cpu_count() or 1))) as ex:
-            results = dict(zip(units, ex.map(_run, commands.values())))
-        failed = [n for n in units if results[n].returncode != 0]
+        unit_flags = {n: baseline_flags if n in baseline_sources else isa_flags for n in units}
+        headers = {n: text for n, text in sources.items() if n.endswith(".h")}
+        objects_dir = root / OBJECTS_DIR
+        objects_dir.mkdir(exist_ok=True)
+        objects = {n: objects_dir / f"{_object_key(n, sources[n], headers, cc, unit_flags[n])}.o" for n in units}
+        missing = [n for n in units if not objects[n].is_file()]
+        commands = {n: [*cc, *unit_flags[n], "-c", str(src / n), "-o", str(work / (n[:-2] + ".o"))]
+                    for n in missing}
+        with ThreadPoolExecutor(max_workers=max(1, min(len(missing), os.cpu_count() or 1))) as ex:
+            results = dict(zip(missing, ex.map(_run, commands.values())))
+        failed = [n for n in missing if results[n].returncode != 0]
         if failed:
             raise _compile_error(root, key, work, failed, results, commands, target)
-        link = [*cc, *LINK_FLAGS, *extra_flags, "-o", str(work / LIBRARY_NAME),
-                *(str(work / (n[:-2] + ".o")) for n in units), *LIBS]
+        for n in missing:                  # published whole: a concurrent build sees a complete file or none
+            os.replace(work / (n[:-2] + ".o"), objects[n])
+        link = [*cc, *LINK_FLAGS, *extra_flags, "-o", str(work / LIBRARY_NAME), *map(str, objects.values()), *LIBS]
         linked = _run(link)
         if linked.returncode != 0:
             raise BuildError(f"linking {LIBRARY_NAME} for target {target.name} failed:\n"
                              f"{linked.stderr.strip()}\ncommand: {shlex.join(link)}")
-        for n in units:
-            (work / (n[:-2] + ".o")).unlink()
         try:
             os.replace(work, entry)
         except OSError:
@@ -137,6 +147,15 @@ def _cache_key(sources: dict[str, str], baseline: set[str] | frozenset[str], cc:
         h.update(part.encode() + b"\0")
     for name in sorted(sources):
         h.update(name.encode() + b"\0" + sources[name].encode() + b"\0")
+    return h.hexdigest()
+
+
+def _object_key(name: str, text: str, headers: dict[str, str], cc: tuple[str, ...], flags: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for part in (" ".join(cc), compiler_version(cc), " ".join(flags), name, text):
+        h.update(part.encode() + b"\0")
+    for header in sorted(headers):
+        h.update(header.encode() + b"\0" + headers[header].encode() + b"\0")
     return h.hexdigest()
 
 

@@ -189,10 +189,10 @@ CALIB = typer.Option(None, "--calib", help="calibration text (--quant: AWQ + cli
 CALIB_MAX_BYTES = typer.Option(None, "--calib-max-bytes", help="use only the first N bytes of --calib")
 KV = typer.Option(KVScheme.f32, "--kv", help="KV cache format (fht-: Hadamard-rotated; docs/kv-cache.md)")
 KV_WINDOW = typer.Option(0, "--kv-window", min=0, help="keep each sequence's last N tokens in f16 (int8/int4 --kv)")
-ACT_PRECISION = typer.Option(None, "--act-precision",
-                             help="activations that integer (4/8-bit) weights multiply: int8 (every step), f32 "
-                                  "(every step), auto (f32 for steps of few token rows, int8 for prefill); "
-                                  "docs/quantization.md")
+ACT_PRECISION = typer.Option(None, "--act-precision", metavar="MODE",
+                             help="activations that integer (4/8-bit) weights multiply: int8 (the default; every "
+                                  "step), f32 (every step: as transformers on the dequantized file), auto (f32 for "
+                                  "steps of few token rows, int8 for prefill); docs/quantization.md")
 
 
 class ActPrecision(str, Enum):
@@ -1061,7 +1061,9 @@ def demo_command(workdir: Optional[Path] = typer.Option(None, "--dir", help="whe
 def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
     """Compile the real model and ask it ``questions``. Its int4 weights are the file's Q4_1 matrices
     bit for bit (q4g32m): the measured best of infeng's 4-bit options on it (docs/performance.md,
-    *Real model quality*), computing what llama.cpp computes on the same file."""
+    *Real model quality*). The activations they multiply stay f32 (``--act-precision f32``): a chat
+    of one person prefills a few dozen tokens, where f32 costs little, and then answers as
+    transformers does on the same file (docs/quantization.md, *Activation precision*)."""
     from infeng_runtime.chat import chat_prompt_ids
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
@@ -1072,12 +1074,12 @@ def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
         task = bar.add_task("compile", total=None)
         started = time.perf_counter()
         artifact, hit = cached_artifact(
-            gguf, CompileOptions(target="native"),
+            gguf, CompileOptions(target="native", act_precision="f32"),
             stage=lambda name: bar.update(task, description=f"compiling SmolLM2-135M-Instruct: {name}", completed=0,
                                           total=None),
             progress=lambda done, total: bar.update(task, completed=done, total=total))
     seconds = time.perf_counter() - started
-    done = "loaded the cached artifact" if hit else "compiled with the file's int4 weights (Q4_1, bit for bit)"
+    done = "loaded the cached artifact" if hit else "compiled with the file's int4 weights (Q4_1, bit for bit) and f32 activations"
     err.print(f"model file: {gguf}", highlight=False)
     err.print(f"{done} in {seconds:.1f} s: {artifact}", highlight=False)
     err.print(f"[dim]next: infeng chat {artifact}[/]", highlight=False)

@@ -18,9 +18,8 @@ def test_after_all_prints_every_pass_then_the_lowered_calls(stories_dir):
     result = run(str(stories_dir), "--quant", "int4", "--kv", "fht-int8", "--target", "avx512", "--after", "all")
     assert result.exit_code == 0, result.output
     stages = re.findall(r"^# after (\S+)$", result.stdout, re.M)
-    assert stages == ["import", "fht-kv", "kv-format", "cast-weights", "quantize", "act-precision",
-                      "fuse-linears", "lower"]
-    quantized = result.stdout.split("# after quantize\n")[1].split("# after act-precision")[0]
+    assert stages == ["import", "fht-kv", "kv-format", "cast-weights", "quantize", "fuse-linears", "lower"]
+    quantized = result.stdout.split("# after quantize\n")[1].split("# after fuse-linears")[0]
     assert ': q4g32[' in quantized
     lowered = result.stdout.split("# after lower\n")[1]
     assert lowered.startswith("# lowered for avx512:")
@@ -55,6 +54,6 @@ def test_after_all_prints_meta_once_and_4bit_weights_as_such(stories_dir):
     assert result.exit_code == 0, result.output
     assert len(re.findall(r"^  meta \{", result.stdout, re.M)) == 1
     assert result.stdout.count("  # meta as after import") == result.stdout.count("# after ") - 2   # - import, lower
-    quantized = result.stdout.split("# after quantize\n")[1].split("# after act-precision")[0]
+    quantized = result.stdout.split("# after quantize\n")[1].split("# after fuse-linears")[0]
     assert re.search(r'weight @model\.layers\.0\.self_attn\.q_proj\.weight : q4g32\[64,64\] \{source="f32"', quantized)
     assert "format=" not in quantized

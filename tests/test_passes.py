@@ -306,7 +306,7 @@ def test_the_compile_pipeline_lists_every_pass_it_runs() -> None:
 
     assert CompileOptions(kv="fht-int8", kv_window=16, quant="int4").pipeline() == [
         ("fht-kv", []), ("kv-format", ["int8", "window=16"]), ("cast-weights", ["f32"]), ("quantize", ["int4"]),
-        ("act-precision", ["auto"]), ("fuse-linears", [])]
+        ("fuse-linears", [])]
 
 
 def test_no_pass_imports_a_frontend() -> None:

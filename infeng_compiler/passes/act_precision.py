@@ -26,8 +26,10 @@ from ..quant.formats import get_format, is_quantized
 from .manager import PassContext, register
 
 MODES = ("int8", "f32", "auto")
-#: The mode a compile takes when none is given (docs/quantization.md, *Activation precision*).
-DEFAULT_ACT_PRECISION = "auto"
+#: The mode a compile takes when none is given: int8, whose rows have the same bits whatever step
+#: they land in; ``auto`` makes a row depend on the step's size (prefix-cache hits, other requests'
+#: prefill), so the same request could give other text (docs/quantization.md, *Activation precision*).
+DEFAULT_ACT_PRECISION = "int8"
 #: Token rows from which ``auto`` quantizes the activations (fewer rows read f32): every decode step
 #: of up to 16 sequences and every speculative verification of up to 16 rows stays f32, where the
 #: weights' bytes bound the step (docs/quantization.md, *Activation precision*).

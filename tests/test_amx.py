@@ -262,6 +262,7 @@ def amx_lib(isa: str) -> KernelLib:
     return KernelLib(isa, amx_grid(isa))
 
 
+@pytest.mark.slow       # compile-only: a whole kernel grid built for a target it does not run
 def test_amx_kernels_compile_natively() -> None:
     """The amx grid and the tile program build with the -mamx-* flags (native tile instructions) on
     any host; loading them runs no instruction."""

@@ -352,6 +352,7 @@ def test_gather_rows(klib: KernelLib, H: int):
     np.testing.assert_array_equal(out, x[rows])
 
 
+@pytest.mark.slow       # compile-only: a whole kernel grid built for a target it does not run
 def test_amx_sources_compile():
     """The amx library (the -mamx-* flags, native tile instructions) builds on every host, AMX or not."""
     target = TARGETS["amx"]

@@ -163,6 +163,7 @@ def test_embedding_rows_exact(qlib: KernelLib, name: str) -> None:
     assert np.array_equal(out[:5], table[ids[:5]]) and not out[5:].any()
 
 
+@pytest.mark.slow       # compile-only: a whole kernel grid built for a target it does not run
 @pytest.mark.parametrize("isa", COMPILE_ONLY)
 def test_compile_only_targets_build(isa: str) -> None:
     """Targets this host cannot run (AVX-VNNI, AMX) still compile every quantized kernel."""

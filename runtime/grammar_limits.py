@@ -59,9 +59,15 @@ def parser_limits():
     return llguidance.LLParserLimits(**PARSER_LIMITS)
 
 
-def _refuse(what: str, value: int, bound: int, unit: str, param: str) -> GrammarError:
-    return GrammarError(f"{param}: the {what} is {value}{unit}; the limit is {bound}{unit}", param,
-                        "grammar_too_large")
+def _at_most(what: str, value: int, bound: int, param: str, unit: str = "") -> None:
+    """Raise GrammarError (``grammar_too_large``) naming ``what`` when ``value`` is over ``bound``."""
+    if value > bound:
+        raise GrammarError(f"{param}: the {what} is {value}{unit}; the limit is {bound}{unit}", param,
+                           "grammar_too_large")
+
+
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def check_spec(kind: str, value: Any, param: str, limits: GrammarLimits, deep: bool = True) -> None:
@@ -69,44 +75,25 @@ def check_spec(kind: str, value: Any, param: str, limits: GrammarLimits, deep: b
     ``deep`` only the sizes (what the server checks itself; the scan of a grammar's shape is Python
     work that holds the GIL, so it runs in the grammar worker processes, grammar_worker.py)."""
     if kind == "json":
-        text = json.dumps(value)
-        if len(text) > limits.max_bytes:
-            raise _refuse("JSON schema's size", len(text), limits.max_bytes, " bytes", param)
-        if not deep:
-            return
-        depth = json_depth(value)
-        if depth > limits.max_depth:
-            raise _refuse("JSON schema's nesting depth", depth, limits.max_depth, "", param)
+        _at_most("JSON schema's size", len(json.dumps(value)), limits.max_bytes, param, " bytes")
+        if deep:
+            _at_most("JSON schema's nesting depth", json_depth(value), limits.max_depth, param)
     elif kind == "regex" and isinstance(value, str):
-        size = len(value.encode("utf-8", "surrogatepass"))
-        if size > limits.max_bytes:
-            raise _refuse("regex's size", size, limits.max_bytes, " bytes", param)
-        if not deep:
-            return
-        depth = _bracket_depth(re.sub(r"\\.", "", value), "(")
-        if depth > limits.max_depth:
-            raise _refuse("regex's group nesting depth", depth, limits.max_depth, "", param)
+        _at_most("regex's size", _utf8_size(value), limits.max_bytes, param, " bytes")
+        if deep:
+            _at_most("regex's group nesting depth", _bracket_depth(re.sub(r"\\.", "", value), "("),
+                     limits.max_depth, param)
     elif kind == "choice" and isinstance(value, list):
-        if len(value) > limits.max_choices:
-            raise _refuse("number of choices", len(value), limits.max_choices, "", param)
-        size = sum(len(c.encode("utf-8", "surrogatepass")) for c in value if isinstance(c, str))
-        if size > limits.max_bytes:
-            raise _refuse("choices' total size", size, limits.max_bytes, " bytes", param)
+        _at_most("number of choices", len(value), limits.max_choices, param)
+        _at_most("choices' total size", sum(_utf8_size(c) for c in value if isinstance(c, str)), limits.max_bytes,
+                 param, " bytes")
     elif kind == "grammar" and isinstance(value, str):
-        size = len(value.encode("utf-8", "surrogatepass"))
-        if size > limits.max_bytes:
-            raise _refuse("grammar's size", size, limits.max_bytes, " bytes", param)
-        if not deep:
-            return
-        shape = grammar_shape(value)
-        if shape.rules > limits.max_rules:
-            raise _refuse("number of grammar rules", shape.rules, limits.max_rules, "", param)
-        if shape.alternatives > limits.max_alternatives:
-            raise _refuse("number of alternatives of one rule", shape.alternatives, limits.max_alternatives, "",
-                          param)
-        if shape.depth > limits.max_depth:
-            raise _refuse("grammar's depth (chained rule references and brackets)", shape.depth,
-                          limits.max_depth, "", param)
+        _at_most("grammar's size", _utf8_size(value), limits.max_bytes, param, " bytes")
+        if deep:
+            shape = grammar_shape(value)
+            _at_most("number of grammar rules", shape.rules, limits.max_rules, param)
+            _at_most("number of alternatives of one rule", shape.alternatives, limits.max_alternatives, param)
+            _at_most("grammar's depth (chained rule references and brackets)", shape.depth, limits.max_depth, param)
 
 
 def json_depth(value: Any) -> int:

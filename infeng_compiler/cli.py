@@ -40,7 +40,7 @@ class _ReadableParams:
                 param.display_type_rich = lambda ctx: None           # MODEL, not MODEL <str>
             elif isinstance(param, TyperOption) and param.metavar is None:
                 param.metavar = "" if param.is_flag else _metavar(param)
-            if param.min is not None or param.max is not None:
+            if getattr(param, "min", None) is not None or getattr(param, "max", None) is not None:
                 param._get_number_range_help_str = lambda: None
         return params
 

@@ -46,10 +46,12 @@ from infeng_runtime.tokenizer import Tokenizer
 
 HOST = host_features()
 AMX_MISSING = ", ".join(TARGETS["amx"].missing_features(HOST))
-#: amx-emu wherever avx512-bf16 runs; amx where the host has AMX (skipped with the reason elsewhere)
+#: amx-emu wherever avx512-bf16 runs (the slow set: tests/_isa.py); amx where the host has AMX (skipped with the
+#: reason elsewhere)
 AMX_ISAS = [
-    pytest.param("amx-emu", marks=pytest.mark.skipif(bool(TARGETS["amx-emu"].missing_features(HOST)),
-                                                      reason="this host has no AVX-512 BF16 (amx-emu's base)")),
+    pytest.param("amx-emu", marks=[pytest.mark.slow,
+                                   pytest.mark.skipif(bool(TARGETS["amx-emu"].missing_features(HOST)),
+                                                      reason="this host has no AVX-512 BF16 (amx-emu's base)")]),
     pytest.param("amx", marks=pytest.mark.skipif(bool(AMX_MISSING),
                                                   reason=f"this host has no usable AMX (lacks {AMX_MISSING})")),
 ]

@@ -40,7 +40,7 @@ CASES = [  # (n_heads, n_kv_heads, head_dim, block_size, window)
     (4, 4, 40, 32, 21),    # head dims that are not whole tiles; a sliding window
 ]
 SINKS = (4, 2, 16, 16, 0)
-ISAS = ["amx-emu", "amx"]
+ISAS = [pytest.param("amx-emu", marks=pytest.mark.slow), "amx"]     # amx-emu: the slow set (tests/_isa.py)
 
 
 def spec_of(isa: str, case: tuple, sinks: bool = False) -> KernelSpec:
@@ -157,6 +157,7 @@ def test_verification_rows_stay_on_the_vector_path():
         SpeculativeConfig(max_draft=kernels.AMX_ATTENTION_MIN_T - 1)
 
 
+@pytest.mark.slow
 def test_stories260k_on_amx_emu_matches_interpreter(tmp_path, stories_dir):
     """stories260K compiled for amx-emu with a threshold low enough that both prompts' prefill runs
     on the tiles (70 rows: more keys than one chunk), then decode steps on the AVX-512 path, against

@@ -35,9 +35,9 @@ SHAPES = [(72, 40), (172, 49), (600, 72)]
 TOKENS = [1, AMX_MIN_T - 1, AMX_MIN_T, 17, 33]
 WDTYPES = ["bf16", "f16"]
 ISAS = [
-    pytest.param("amx-emu", marks=pytest.mark.skipif(
+    pytest.param("amx-emu", marks=[pytest.mark.slow, pytest.mark.skipif(
         bool(TARGETS["amx-emu"].missing_features()),
-        reason=f"this host lacks {', '.join(TARGETS['amx-emu'].missing_features())} (amx-emu runs on avx512-bf16)")),
+        reason=f"this host lacks {', '.join(TARGETS['amx-emu'].missing_features())} (amx-emu runs on avx512-bf16)")]),
     pytest.param("amx", marks=pytest.mark.skipif(
         bool(TARGETS["amx"].missing_features()),
         reason=f"this host has no usable AMX (lacks {', '.join(TARGETS['amx'].missing_features())})")),

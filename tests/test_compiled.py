@@ -22,6 +22,7 @@ from infeng_compiler.interp import Interpreter
 from infeng_compiler.passes.cast_weights import CastWeights
 from infeng_compiler.passes.manager import PassManager, parse_pipeline
 from infeng_runtime.engine import CPUFeatureError, Engine
+from _isa import isa_params
 
 RUNNABLE_ISAS = runnable_targets()
 FAMILIES = ("llama", "llama3-rope", "mistral", "qwen2", "gpt2")
@@ -72,7 +73,7 @@ def assert_close(got: list[np.ndarray], want: list[np.ndarray], rel: float) -> N
         assert err <= bound, f"step {step}: max abs error {err:.3g} > {bound:.3g}"
 
 
-@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+@pytest.mark.parametrize("isa", isa_params(RUNNABLE_ISAS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_f32_matches_interpreter(compiled, hf_checkpoint, family, isa):
     engine = Engine(compiled(family, isa))

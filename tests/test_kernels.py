@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+from _isa import isa_params
 from _kernel_lib import KernelLib, attention_step, paged_cache, rel_err, run_attention
 
 from infeng_compiler.codegen.build import build_library
@@ -88,7 +89,7 @@ def kernel_lib(isa: str) -> KernelLib:
     return KernelLib(isa, grid_specs(isa))
 
 
-@pytest.fixture(scope="session", params=RUNNABLE)
+@pytest.fixture(scope="session", params=isa_params(RUNNABLE))
 def klib(request) -> KernelLib:
     return kernel_lib(request.param)
 

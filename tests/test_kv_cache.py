@@ -41,6 +41,7 @@ from infeng_compiler.passes.kv_cache import kv_entries
 from infeng_compiler.passes.manager import PassContext, PassManager, parse_pipeline
 from infeng_compiler.quant import kv as kvq
 from infeng_runtime.engine import Engine
+from _isa import isa_params
 
 RUNNABLE = runnable_targets()
 KERNEL_TOL = 1e-5
@@ -381,7 +382,7 @@ def kernel_spec(isa: str, case) -> KernelSpec:
                            rotate=rotate, kv_window=kv_window, ring_rows=ring)
 
 
-@pytest.fixture(scope="module", params=RUNNABLE)
+@pytest.fixture(scope="module", params=isa_params(RUNNABLE))
 def kvq_lib(request):
     isa = request.param
     specs = [kernel_spec(isa, c) for c in KERNEL_CASES]

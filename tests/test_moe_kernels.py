@@ -12,6 +12,7 @@ import functools
 
 import numpy as np
 import pytest
+from _isa import isa_params
 from _kernel_lib import KernelLib, attention_step, paged_cache, rel_err, run_attention
 
 from infeng_compiler.codegen.kernels import KernelSpec, template_isa
@@ -102,7 +103,7 @@ def kernel_lib(isa: str) -> KernelLib:
     return KernelLib(isa, grid_specs(isa))
 
 
-@pytest.fixture(scope="session", params=RUNNABLE)
+@pytest.fixture(scope="session", params=isa_params(RUNNABLE))
 def klib(request) -> KernelLib:
     return kernel_lib(request.param)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _isa import isa_params
 from _kernel_lib import KernelLib, rel_err
 
 import infeng_compiler.codegen.quant_kernels  # noqa: F401  (registers the kernels)
@@ -106,7 +107,7 @@ def mxfp4_lib(isa: str) -> KernelLib:
     return KernelLib(isa, specs, "".join(mxfp4_rows_prototype(s) + ";\n" for s in specs))
 
 
-@pytest.fixture(scope="session", params=RUNNABLE)
+@pytest.fixture(scope="session", params=isa_params(RUNNABLE))
 def mlib(request) -> KernelLib:
     return mxfp4_lib(request.param)
 

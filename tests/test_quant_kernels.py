@@ -10,6 +10,7 @@ import functools
 
 import numpy as np
 import pytest
+from _isa import isa_params
 from _kernel_lib import KernelLib, rel_err
 
 import infeng_compiler.codegen.quant_kernels  # noqa: F401  (registers the kernels)
@@ -58,7 +59,7 @@ def quant_lib(isa: str) -> KernelLib:
     return KernelLib(isa, grid_specs(isa))
 
 
-@pytest.fixture(scope="session", params=RUNNABLE)
+@pytest.fixture(scope="session", params=isa_params(RUNNABLE))
 def qlib(request) -> KernelLib:
     return quant_lib(request.param)
 

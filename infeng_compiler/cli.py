@@ -800,8 +800,10 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                   quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                   calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
                   kv: KVScheme = KV, kv_window: int = KV_WINDOW,
-                  act_precision: Optional[ActPrecision] = ACT_PRECISION):
-    """Serve MODEL over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics).
+                  act_precision: Optional[ActPrecision] = ACT_PRECISION,
+                  no_ui: bool = typer.Option(False, "--no-ui", help="no chat page at / (the API alone)")):
+    """Serve MODEL over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics)
+    and a chat page at / (docs/web.md).
 
     A model that is not an artifact is compiled first with the compile options, into a
     content-addressed cache: the next start with the same model and options reuses it."""
@@ -821,7 +823,7 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                            max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
                            shutdown_timeout=shutdown_timeout, always_include_usage=always_include_usage,
                            grammar_timeout=grammar_timeout, grammar_mask_timeout=grammar_mask_timeout,
-                           max_grammar_bytes=parse_size(max_grammar_bytes, "--max-grammar-bytes"))
+                           max_grammar_bytes=parse_size(max_grammar_bytes, "--max-grammar-bytes"), ui=not no_ui)
     from infeng_runtime.speculative import parse_speculative
 
     options.speculative = parse_speculative(speculative)

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import socket
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -461,6 +462,10 @@ class Server:
         async def prometheus():
             return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+        if options.ui:
+            from .web import mount_chat_page
+
+            mount_chat_page(app)
         return app
 
     def describe(self) -> dict[str, Any]:
@@ -1375,6 +1380,7 @@ class ServeOptions:
     grammar_timeout: float = GrammarLimits.compile_seconds
     grammar_mask_timeout: float = GrammarLimits.mask_seconds
     max_grammar_bytes: int = GrammarLimits.max_bytes
+    ui: bool = True                                # the chat page at / (--no-ui: the API alone)
 
     def grammar_limits(self) -> GrammarLimits:
         return GrammarLimits(max_bytes=self.max_grammar_bytes, compile_seconds=self.grammar_timeout,
@@ -1431,6 +1437,9 @@ def serve(artifact: str | Path, options: ServeOptions) -> None:
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level,
                             log_config=None, access_log=False, timeout_graceful_shutdown=GRACEFUL_SECONDS)
     runner = _UvicornServer(config, server)
+    if options.ui:
+        host = f"[{options.host}]" if ":" in options.host else options.host
+        print(f"chat page: http://{host}:{options.port}/", file=sys.stderr, flush=True)
 
     def request_exit(code: int) -> None:
         if server.exit_code is None:

@@ -1,0 +1,55 @@
+"""Headless Chromium for the page tests: Debian's ``chromium`` package driven by Playwright for
+Python (``executable_path``; no ``playwright install``). Tests that use ``browser`` skip, saying
+why, where either is missing; ``.ci/run`` installs chromium. Screenshots go to ``SCREENSHOTS``."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+#: Where the page tests save their screenshots (docs/img/web-*.png are copies of two of them).
+SCREENSHOTS = Path(os.environ.get("INFENG_SCREENSHOTS", Path(__file__).resolve().parents[1] / "build" / "screenshots"))
+
+
+def chromium_path() -> str | None:
+    for name in ("chromium", "chromium-browser"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+@pytest.fixture(scope="session")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install "
+                                                                 "'.[test]')")
+    executable = chromium_path()
+    if executable is None:
+        pytest.skip("no chromium on PATH (Debian: apt-get install chromium; .ci/run installs it)")
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=executable, headless=True,
+                                              args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh browser context (empty localStorage and sessionStorage) and a page in it; uncaught
+    script errors are collected in ``page.errors``, console errors in ``page.console_errors``."""
+    context = browser.new_context(viewport={"width": 1280, "height": 800}, accept_downloads=True)
+    page = context.new_page()
+    page.errors, page.console_errors = [], []
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    page.on("console", lambda m: page.console_errors.append(m.text) if m.type == "error" else None)
+    yield page
+    context.close()
+
+
+def screenshot(page, name: str) -> Path:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    page.screenshot(path=str(path))
+    return path

@@ -152,6 +152,31 @@ def test_markup_in_model_output_never_runs(url, page):
     assert page.errors == []
 
 
+def test_invalid_settings_are_reported_not_sent(url, page):
+    open_chat(page, url)
+    page.fill("#json_schema", "{not json")
+    page.fill("#prompt", "hello")
+    page.click("#send")
+    assert page.locator("#error").inner_text().startswith("JSON schema: not valid JSON")
+    assert page.locator(".message").count() == 0
+
+
+def test_markdown_becomes_elements_and_markup_stays_text(url, page):
+    open_chat(page, url)
+    rendered = page.evaluate("""(text) => {
+        const box = document.createElement('div');
+        renderMarkdown(text, box);
+        return {html: box.innerHTML, pre: box.querySelector('pre code').textContent,
+                items: [...box.querySelectorAll('li')].map(li => li.textContent),
+                strong: box.querySelector('strong').textContent, heading: box.querySelector('h3').textContent};
+    }""", f"# Title\nSome **bold** text and `code`.\n\n- one {HOSTILE}\n- two\n\n```python\nprint('<b>hi</b>')\n```\n")
+    assert rendered["heading"] == "Title" and rendered["strong"] == "bold"
+    assert rendered["items"] == [f"one {HOSTILE}", "two"]
+    assert rendered["pre"] == "print('<b>hi</b>')"
+    assert "<img" not in rendered["html"] and "<script" not in rendered["html"] and "<b>" not in rendered["html"]
+    assert page.evaluate("window.__pwned") is None
+
+
 def test_api_key_prompt(artifact, base, page, tmp_path):
     with running_server(artifact, "--api-key", KEY, log=tmp_path / "serve.log") as keyed:
         assert httpx.get(keyed + "/v1/models").status_code == 401

@@ -1,7 +1,9 @@
 """The chat page over the real SmolLM2-135M-Instruct (slow: the session's ``smollm2_server``): a
-greedy question streams the text the API answers, and Stop aborts the request on the server."""
+greedy question streams the text the API answers, Stop aborts the request on the server, and a
+required tool call is shown with its arguments."""
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -57,3 +59,21 @@ def test_stop_aborts_on_the_server(smollm2_server, page):
     stats = page.locator(".message.assistant .stats").inner_text()
     assert "stopped" in stats
     assert int(stats.split(" tokens")[0]) < 900
+
+
+def test_tool_call_is_shown(smollm2_server, page):
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    open_chat(page, smollm2_server, 120)
+    page.fill("#tools", json.dumps([tool]))
+    page.select_option("#tool_choice", "required")
+    page.fill("#prompt", "What is the weather in Paris?")
+    page.click("#send")
+    page.wait_for_selector("body[data-busy=false]", timeout=120_000)
+    call = page.locator(".message.assistant pre code").last
+    assert call.get_attribute("data-language") == "tool-call"
+    text = call.inner_text()
+    assert text.startswith("get_weather(") and text.endswith(")")
+    assert isinstance(json.loads(text[len("get_weather("):-1])["city"], str)
+    assert "tool_calls" in page.locator(".message.assistant .stats").inner_text()

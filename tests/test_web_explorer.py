@@ -15,7 +15,11 @@ import pytest
 from _browser import browser, page, screenshot  # noqa: F401  (fixtures)
 from _serving import STORIES, free_port, infeng_command
 
+from infeng_compiler.explore import explorer_html
 from infeng_runtime.web import CONTENT_SECURITY_POLICY
+
+#: Markup that must show as text wherever an IR string appears.
+HOSTILE = '</script><script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 
 
 def infeng(*args: str) -> subprocess.CompletedProcess:
@@ -159,3 +163,43 @@ def test_model_explorer_format(profiled, tmp_path):
     qkv = next(n for n in nodes if n["id"] == "l0.q_k_v")
     keys = {a["key"] for a in qkv["attrs"]}
     assert {"ir", "kernel", "pct_of_step"} <= keys and qkv["namespace"] == "layer_0"
+
+
+def test_ir_strings_are_text(profiled, page, tmp_path):
+    """Names, IR lines, attributes and C source carrying markup are shown as text; none of it runs,
+    not even a ``</script>`` inside the data embedded in the single file."""
+    artifact, _, html = profiled
+    data = json.loads(html.read_text().split('<script type="application/json" id="ir-data">')[1]
+                      .split("</script>")[0].replace("<\\/", "</"))
+    data["model"] = HOSTILE
+    node = data["stages"][-1]["nodes"][0]
+    node["text"] += HOSTILE
+    node["attrs"]["note"] = HOSTILE
+    node["kernels"][0]["symbol"] = HOSTILE
+    data["sources"][HOSTILE] = HOSTILE
+    data["stages"][1]["name"] = HOSTILE
+    hostile = tmp_path / "hostile.html"
+    hostile.write_text(explorer_html(data))
+    open_explorer(page, hostile.as_uri())
+    page.click(f'#items g.item[data-id="{node["id"]}"]')
+    assert HOSTILE in page.locator("#node-ir").inner_text()
+    assert page.locator("#node pre.source").first.inner_text() == HOSTILE
+    assert page.locator("#model-name").inner_text().startswith(HOSTILE)
+    page.wait_for_timeout(300)
+    assert page.evaluate("window.__pwned") is None
+    assert page.locator("img").count() == 0
+    assert page.locator("script").count() == 2                      # the data and the page's own script
+    assert page.errors == []
+
+
+def test_bad_inputs_are_one_line(profiled, tmp_path):
+    artifact, _, _ = profiled
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for args, says in [(["ir", str(artifact), "--html", str(tmp_path / "x.html"), "--node-profile", str(bad)],
+                        "not a node profile"),
+                       (["ir", str(artifact), "--html", str(tmp_path / "x.html"), "--format", "json"], "--html"),
+                       (["explore", str(tmp_path / "missing"), "--port", str(free_port())], "missing")]:
+        done = subprocess.run([*infeng_command(), *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -7,7 +7,7 @@ const CONVERSATIONS_KEY = 'infeng.conversations';
 const CURRENT_KEY = 'infeng.current';
 const SETTINGS_KEY = 'infeng.settings';
 const API_KEY_KEY = 'infeng.apiKey';          // sessionStorage only
-const SETTING_IDS = ['system', 'temperature', 'top_p', 'max_tokens', 'seed', 'json_schema', 'tools'];
+const SETTING_IDS = ['system', 'temperature', 'top_p', 'max_tokens', 'seed', 'json_schema', 'tools', 'tool_choice'];
 const STATUS_EVERY_MS = 2000;
 
 const $ = (id) => document.getElementById(id);
@@ -293,6 +293,7 @@ function requestBody(conversation) {
   if (tools) {
     body.tools = parseJSON(tools, 'Tools');
     if (!Array.isArray(body.tools)) throw new Error('Tools: must be a JSON array of tool definitions');
+    body.tool_choice = $('tool_choice').value;
   }
   return body;
 }

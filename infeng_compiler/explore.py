@@ -99,7 +99,8 @@ def stage_diff(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dic
     """Nodes added, removed and changed (same id, another IR line) from ``before`` to ``after``."""
     old = {n["id"]: n["text"] for n in before}
     new = {n["id"]: n["text"] for n in after}
-    return {"added": [i for i in new if i not in old], "removed": [{"id": i, "text": old[i]} for i in old if i not in new],
+    return {"added": [i for i in new if i not in old],
+            "removed": [{"id": i, "text": old[i]} for i in old if i not in new],
             "changed": [{"id": i, "before": old[i], "after": new[i]} for i in new if i in old and old[i] != new[i]]}
 
 
@@ -239,9 +240,9 @@ def model_explorer_graph(data: dict[str, Any]) -> dict[str, Any]:
             producers[out["name"]] = (n["id"], i)
     inputs = sorted({v for n in stage["nodes"] for v in n["inputs"] if v not in producers})
     for name in inputs:
-        nodes.append({"id": f"input:{name}", "label": "input", "namespace": "", "attrs": [{"key": "name", "value": name}],
-                      "incomingEdges": [], "outputsMetadata": [{"id": "0", "attrs": [{"key": "tensor_name",
-                                                                                       "value": name}]}]})
+        nodes.append({"id": f"input:{name}", "label": "input", "namespace": "",
+                      "attrs": [{"key": "name", "value": name}], "incomingEdges": [],
+                      "outputsMetadata": [{"id": "0", "attrs": [{"key": "tensor_name", "value": name}]}]})
         producers[name] = (f"input:{name}", 0)
     for n in stage["nodes"]:
         attrs = [{"key": "ir", "value": n["text"]}]

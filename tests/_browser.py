@@ -1,17 +1,15 @@
 """Headless Chromium for the page tests: Debian's ``chromium`` package driven by Playwright for
 Python (``executable_path``; no ``playwright install``). Tests that use ``browser`` skip, saying
-why, where either is missing; ``.ci/run`` installs chromium. Screenshots go to ``SCREENSHOTS``."""
+why, where either is missing; ``.ci/run`` installs chromium. The ``screenshot`` fixture saves
+pages under the run's pytest temp folder (``screenshots/``), or under ``$INFENG_SCREENSHOTS``."""
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-#: Where the page tests save their screenshots (docs/img/web-*.png are copies of two of them).
-SCREENSHOTS = Path(os.environ.get("INFENG_SCREENSHOTS", Path(__file__).resolve().parents[1] / "build" / "screenshots"))
-
 
 def chromium_path() -> str | None:
     for name in ("chromium", "chromium-browser"):
@@ -48,8 +46,15 @@ def page(browser):
     context.close()
 
 
-def screenshot(page, name: str) -> Path:
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    path = SCREENSHOTS / f"{name}.png"
-    page.screenshot(path=str(path))
-    return path
+@pytest.fixture(scope="session")
+def screenshot(tmp_path_factory: pytest.TempPathFactory) -> Callable[[object, str], Path]:
+    """``screenshot(page, name)`` saves ``name.png`` (docs/img/web-*.png are copies of two of them)."""
+    folder = Path(os.environ.get("INFENG_SCREENSHOTS") or tmp_path_factory.getbasetemp() / "screenshots")
+
+    def save(page, name: str) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{name}.png"
+        page.screenshot(path=str(path))
+        return path
+
+    return save

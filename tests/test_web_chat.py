@@ -84,7 +84,7 @@ def test_page_headers_and_no_ui(url, artifact, tmp_path):
         assert httpx.get(bare + "/ui/chat.js").status_code == 404
 
 
-def test_streams_the_api_answer_and_keeps_it(url, base, page):
+def test_streams_the_api_answer_and_keeps_it(url, base, page, screenshot):
     prompt = "Once upon a time"
     expected = api_answer(url, base, prompt, 24)
     open_chat(page, url)

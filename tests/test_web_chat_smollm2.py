@@ -20,7 +20,7 @@ def open_chat(page, url: str, max_tokens: int) -> None:
     page.fill("#max_tokens", str(max_tokens))
 
 
-def test_greedy_answer_is_the_api_answer(smollm2_server, page):
+def test_greedy_answer_is_the_api_answer(smollm2_server, page, screenshot):
     body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
             "max_tokens": 48}
     expected = httpx.post(f"{smollm2_server}/v1/chat/completions", json=body, timeout=120).json()
@@ -63,14 +63,17 @@ def test_stop_aborts_on_the_server(smollm2_server, page):
 
 def test_tool_call_is_shown(smollm2_server, page):
     tool = {"type": "function", "function": {
-        "name": "get_weather", "description": "the current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                       "required": ["city"], "additionalProperties": False}}}
     open_chat(page, smollm2_server, 120)
     page.fill("#tools", json.dumps([tool]))
     page.select_option("#tool_choice", "required")
-    page.fill("#prompt", "What is the weather in Paris?")
+    page.fill("#prompt", "What is the weather like in Paris?")
     page.click("#send")
     page.wait_for_selector("body[data-busy=false]", timeout=120_000)
+    answer = page.locator(".message.assistant").last.inner_text()
+    assert "get_weather(" in answer, answer
     call = page.locator(".message.assistant pre code").last
     assert call.get_attribute("data-language") == "tool-call"
     text = call.inner_text()

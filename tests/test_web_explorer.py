@@ -100,7 +100,7 @@ def test_node_kernel_source_is_the_built_source(profiled, page):
     assert page.locator("#node table").nth(1).inner_text().count("f32") >= 1       # storage format
 
 
-def test_profile_heat_overlay(profiled, page):
+def test_profile_heat_overlay(profiled, page, screenshot):
     _, profile_path, html = profiled
     profile = {row["name"]: row for row in json.loads(profile_path.read_text())["nodes"]}
     open_explorer(page, html.as_uri())

@@ -482,7 +482,8 @@ class Server:
                 "max_context": self.loop.scheduler.max_context, "max_queue": self.loop.scheduler.max_waiting,
                 "adapters": ",".join(self.loop.adapters.served) or "-", "host": opts.host, "port": opts.port,
                 "api_key": "on" if opts.api_key else "off",
-                "adapter_roots": len(self.adapter_roots.roots), "max_request_bytes": opts.max_request_bytes}
+                "adapter_roots": len(self.adapter_roots.roots), "max_request_bytes": opts.max_request_bytes,
+                "chat_page": opts.page_url() if opts.ui else "off"}
 
     def _models(self) -> list[dict[str, Any]]:
         entries = [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "infeng",
@@ -1382,6 +1383,10 @@ class ServeOptions:
     max_grammar_bytes: int = GrammarLimits.max_bytes
     ui: bool = True                                # the chat page at / (--no-ui: the API alone)
 
+    def page_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/"
+
     def grammar_limits(self) -> GrammarLimits:
         return GrammarLimits(max_bytes=self.max_grammar_bytes, compile_seconds=self.grammar_timeout,
                              mask_seconds=self.grammar_mask_timeout)
@@ -1437,9 +1442,8 @@ def serve(artifact: str | Path, options: ServeOptions) -> None:
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level,
                             log_config=None, access_log=False, timeout_graceful_shutdown=GRACEFUL_SECONDS)
     runner = _UvicornServer(config, server)
-    if options.ui:
-        host = f"[{options.host}]" if ":" in options.host else options.host
-        print(f"chat page: http://{host}:{options.port}/", file=sys.stderr, flush=True)
+    if options.ui and options.log_format == "text":
+        print(f"chat page: {options.page_url()}", file=sys.stderr, flush=True)
 
     def request_exit(code: int) -> None:
         if server.exit_code is None:

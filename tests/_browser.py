@@ -19,6 +19,11 @@ def chromium_path() -> str | None:
     return None
 
 
+#: The one Playwright driver and browser of the run: each test module imports the fixtures, which
+#: makes one session fixture per module; they share this (two sync drivers cannot run at once).
+_shared: dict[str, object] = {}
+
+
 @pytest.fixture(scope="session")
 def browser():
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install "
@@ -26,11 +31,17 @@ def browser():
     executable = chromium_path()
     if executable is None:
         pytest.skip("no chromium on PATH (Debian: apt-get install chromium; .ci/run installs it)")
-    with sync_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=executable, headless=True,
-                                              args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        yield chromium
-        chromium.close()
+    if "browser" in _shared:
+        yield _shared["browser"]
+        return
+    playwright = sync_api.sync_playwright().start()
+    _shared["browser"] = playwright.chromium.launch(executable_path=executable, headless=True,
+                                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+    try:
+        yield _shared["browser"]
+    finally:
+        _shared.pop("browser").close()
+        playwright.stop()
 
 
 @pytest.fixture

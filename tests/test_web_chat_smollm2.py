@@ -10,7 +10,7 @@ import httpx
 from _browser import browser, page, screenshot  # noqa: F401  (fixtures)
 from _serving import metric
 
-QUESTION = "What is the capital of France?"
+QUESTION = "Write a Python function that adds two numbers."
 
 
 def open_chat(page, url: str, max_tokens: int) -> None:
@@ -22,15 +22,17 @@ def open_chat(page, url: str, max_tokens: int) -> None:
 
 def test_greedy_answer_is_the_api_answer(smollm2_server, page, screenshot):
     body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
-            "max_tokens": 48}
+            "max_tokens": 96}
     expected = httpx.post(f"{smollm2_server}/v1/chat/completions", json=body, timeout=120).json()
-    open_chat(page, smollm2_server, 48)
+    open_chat(page, smollm2_server, 96)
     page.fill("#prompt", QUESTION)
     page.click("#send")
     page.wait_for_selector("body[data-busy=false]", timeout=120_000)
     streamed = page.evaluate("JSON.parse(localStorage.getItem('infeng.conversations'))[0].messages.at(-1).content")
     assert streamed == expected["choices"][0]["message"]["content"]
-    assert page.locator(".message.assistant .body").inner_text().strip() == streamed.strip()
+    assert "```" in streamed                            # the answer's code block is shown as a <pre>
+    code = streamed.split("```")[1].split("\n", 1)[1]
+    assert page.locator(".message.assistant pre code").first.inner_text().strip() == code.strip()
     assert f"{expected['usage']['completion_tokens']} tokens" in page.locator(".message.assistant .stats").inner_text()
     screenshot(page, "web-chat-smollm2")
 

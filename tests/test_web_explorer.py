@@ -14,7 +14,9 @@ import httpx
 import pytest
 from _browser import browser, page, screenshot  # noqa: F401  (fixtures)
 from _serving import STORIES, free_port, infeng_command
+from typer.testing import CliRunner, Result
 
+from infeng_compiler.cli import app
 from infeng_compiler.explore import explorer_html
 from infeng_runtime.web import CONTENT_SECURITY_POLICY
 
@@ -22,10 +24,11 @@ from infeng_runtime.web import CONTENT_SECURITY_POLICY
 HOSTILE = '</script><script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 
 
-def infeng(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([*infeng_command(), *args], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return done
+def infeng(*args: str, exit_code: int = 0) -> Result:
+    """``infeng ARGS`` in this process; checks its exit code."""
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == exit_code, result.output
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +104,12 @@ def test_node_kernel_source_is_the_built_source(profiled, page):
 
 
 def test_profile_heat_overlay(profiled, page, screenshot):
-    _, profile_path, html = profiled
+    artifact, profile_path, html = profiled
     profile = {row["name"]: row for row in json.loads(profile_path.read_text())["nodes"]}
+    final = [re.match(r"\s*%([^,\s]+)", line).group(1) for line in (artifact / "ir.txt").read_text().splitlines()
+             if line.startswith("  %")]
+    assert list(profile) == final                                   # one row per node, in graph order
+    assert 0 < sum(row["pct_of_step"] for row in profile.values()) <= 100.5
     open_explorer(page, html.as_uri())
     page.check("#heat")
     hottest = max(profile.values(), key=lambda row: row["pct_of_step"])
@@ -200,6 +207,5 @@ def test_bad_inputs_are_one_line(profiled, tmp_path):
                         "not a node profile"),
                        (["ir", str(artifact), "--html", str(tmp_path / "x.html"), "--format", "json"], "--html"),
                        (["explore", str(tmp_path / "missing"), "--port", str(free_port())], "missing")]:
-        done = subprocess.run([*infeng_command(), *args], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2, done.stderr
-        assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        output = infeng(*args, exit_code=2).output
+        assert says in output and len(output.strip().splitlines()) == 1, output

@@ -197,9 +197,12 @@ def serve_explorer(data: dict[str, Any], host: str, port: int, announce: Callabl
     from fastapi import FastAPI, HTTPException
     from fastapi.responses import Response
 
+    from infeng_runtime.http_guard import AccessGuard, AccessPolicy, is_loopback_address
     from infeng_runtime.web import page_headers, page_response
 
     app = FastAPI(title="infeng explore", docs_url=None, redoc_url=None, openapi_url=None)
+    # bound to loopback, it answers only requests addressed to loopback (no DNS rebinding), as serve does
+    app.add_middleware(AccessGuard, policy=AccessPolicy(loopback_only=is_loopback_address(host)))
     payload = json.dumps(data)
 
     @app.get("/")

@@ -333,7 +333,6 @@ async function send(text) {
   const conversation = current();
   let body;
   conversation.messages.push({role: 'user', content: text});
-  if (conversation.title === 'New chat') conversation.title = text.slice(0, 40);
   try {
     body = requestBody(conversation);
   } catch (e) {
@@ -341,6 +340,7 @@ async function send(text) {
     showError(e.message);
     return;
   }
+  if (conversation.title === 'New chat') conversation.title = text.slice(0, 40);
   showError('');
   const answer = {role: 'assistant', content: '', model: body.model, stats: null};
   conversation.messages.push(answer);

@@ -257,6 +257,9 @@ def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .
     from infeng_common.manifest import is_artifact
 
     if html is not None or format == IRFormat.model_explorer:
+        if after is not None:
+            raise InfengError("--html and --format model-explorer show every stage and the lowered graph; "
+                              "leave out --after")
         _write_explorer(model, compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank,
                                                lora_targets, tokenizer, quant, quant_policy, calib, calib_max_bytes,
                                                kv, kv_window, act_precision), html, format, output, node_profile)

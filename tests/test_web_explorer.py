@@ -206,6 +206,7 @@ def test_bad_inputs_are_one_line(profiled, tmp_path):
     for args, says in [(["ir", str(artifact), "--html", str(tmp_path / "x.html"), "--node-profile", str(bad)],
                         "not a node profile"),
                        (["ir", str(artifact), "--html", str(tmp_path / "x.html"), "--format", "json"], "--html"),
+                       (["ir", str(STORIES), "--format", "model-explorer", "--after", "all"], "--after"),
                        (["explore", str(tmp_path / "missing"), "--port", str(free_port())], "missing")]:
         output = infeng(*args, exit_code=2).output
         assert says in output and len(output.strip().splitlines()) == 1, output

@@ -1171,6 +1171,7 @@ def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
     err.print(f"model file: {gguf}", highlight=False)
     err.print(f"{done} in {seconds:.1f} s: {artifact}", highlight=False)
     err.print(f"[dim]next: infeng chat {artifact}[/]", highlight=False)
+    err.print(f"[dim]or in a browser: infeng serve {artifact}[/]", highlight=False)
     llm = LLM(artifact, max_seqs=1)
     tokenizer = llm.tokenizer
     label = f"compiled, {llm.engine.threads} threads"

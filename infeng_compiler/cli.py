@@ -341,7 +341,8 @@ def _explorer_input(model: str, options) -> tuple[str, object]:
 
 def _write_explorer(model: str, options, html: Path | None, format: IRFormat, output: Path | None,
                     node_profile: Path | None) -> None:
-    from .explore import explorer_data, explorer_html, model_explorer_graph, read_node_profile
+    from .explore import (explorer_data, explorer_html, model_explorer_graph, model_explorer_node_data,
+                          read_node_profile)
 
     if format not in (IRFormat.text, IRFormat.model_explorer) or (html is not None and format != IRFormat.text):
         raise InfengError("--html writes the explorer page; give it without --format, or use --format "
@@ -355,6 +356,10 @@ def _write_explorer(model: str, options, html: Path | None, format: IRFormat, ou
                   f"open it in a browser)")
         return
     _write_text(json.dumps(model_explorer_graph(data), indent=1) + "\n", output, " (Model Explorer JSON graph)")
+    if profile is not None and output is not None:
+        node_data = output.with_suffix(".nodedata.json")
+        node_data.write_text(json.dumps(model_explorer_node_data(data), indent=1) + "\n")
+        err.print(f"wrote {node_data} (the profile's share of the step per node: Model Explorer node data)")
 
 
 def _write_text(text: str, output: Path | None, what: str = "") -> None:

@@ -8,7 +8,8 @@ FILE``) adds time per node, share of the step, GB/s and roofline fraction.
 
 The page (``explorer/``: html, js, css; text nodes only, never HTML from the data) is served by
 ``infeng explore`` or written into one self-contained file by ``infeng ir --html FILE``.
-``model_explorer_graph`` writes the same nodes in Google Model Explorer's JSON graph format.
+``model_explorer_graph`` writes the same nodes in Google Model Explorer's JSON graph format, and
+``model_explorer_node_data`` the profile as its node data (the heat overlay there).
 """
 from __future__ import annotations
 
@@ -267,3 +268,11 @@ def model_explorer_graph(data: dict[str, Any]) -> dict[str, Any]:
                                                          {"key": "dtype", "value": o["dtype"]}]}
                                 for i, o in enumerate(n["outputs"])]})
     return {"label": f"{data['model']} ({data['target']})", "graphs": [{"id": data["model"], "nodes": nodes}]}
+
+
+def model_explorer_node_data(data: dict[str, Any]) -> dict[str, Any]:
+    """The profile's share of the step per node as Model Explorer node data (a ``ModelNodeData``:
+    graph id -> results and a white-to-red gradient), the heat overlay of ``model_explorer_graph``."""
+    rows = (data.get("profile") or {}).get("nodes", [])
+    return {data["model"]: {"results": {row["name"]: {"value": row["pct_of_step"]} for row in rows},
+                            "gradient": [{"stop": 0, "bgColor": "#ffffff"}, {"stop": 1, "bgColor": "#ff0000"}]}}

@@ -170,6 +170,10 @@ def test_model_explorer_format(profiled, tmp_path):
     qkv = next(n for n in nodes if n["id"] == "l0.q_k_v")
     keys = {a["key"] for a in qkv["attrs"]}
     assert {"ir", "kernel", "pct_of_step"} <= keys and qkv["namespace"] == "layer_0"
+    node_data = json.loads((tmp_path / "graph.nodedata.json").read_text())
+    results = node_data[collection["graphs"][0]["id"]]["results"]
+    timing = {row["name"]: row["pct_of_step"] for row in json.loads(profile.read_text())["nodes"]}
+    assert {k: v["value"] for k, v in results.items()} == timing and set(results) <= ids
 
 
 def test_ir_strings_are_text(profiled, page, tmp_path):

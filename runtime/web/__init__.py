@@ -20,6 +20,7 @@ CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'se
 #: Where the page's own files are served (``/`` is index.html).
 ASSET_PREFIX = "/ui/"
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+               ".css": "text/css; charset=utf-8"}
 CHAT_ASSETS = ("chat.js", "chat.css")
 
 

@@ -30,8 +30,7 @@ from .codegen.target import Target
 from .ir.graph import Graph, Node, Weight
 from .ir.printer import format_node
 
-#: The kernel source of a node's calls is shown only for these many calls (an op lowered to many
-#: copies, e.g. a split, shows the first ones).
+#: Kernel calls kept per node (a node lowered to more shows its first ones).
 MAX_CALLS_PER_NODE = 8
 LAYER_OF_VALUE = re.compile(r"^l(\d+)\.")
 LAYER_OF_WEIGHT = re.compile(r"\blayers\.(\d+)\.")

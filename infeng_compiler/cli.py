@@ -145,6 +145,7 @@ class IRFormat(str, Enum):
     json = "json"
     dot = "dot"
     onnx = "onnx"
+    model_explorer = "model-explorer"
 
 
 class DType(str, Enum):
@@ -226,8 +227,16 @@ def compile_options(target: str, dtype: DType | None, passes: str | None, max_to
 @fails_cleanly
 def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .onnx, .gguf, Hub id org/name[@rev] "
                                                        "or an artifact"),
-               format: IRFormat = typer.Option(IRFormat.text, "--format", help="text, json, dot or onnx (needs -o)"),
+               format: IRFormat = typer.Option(IRFormat.text, "--format",
+                                               help="text, json, dot, onnx (needs -o) or model-explorer (Google "
+                                                    "Model Explorer's JSON graph of the lowered graph)"),
                output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
+               html: Optional[Path] = typer.Option(None, "--html", metavar="FILE",
+                                                   help="write the IR explorer (every stage, diffs, kernels and "
+                                                        "their C) as one self-contained HTML file"),
+               node_profile: Optional[Path] = typer.Option(None, "--node-profile", metavar="FILE",
+                                                           help="with --html or model-explorer: time per node "
+                                                                "from infeng bench --profile --node-profile FILE"),
                after: Optional[str] = typer.Option(None, "--after",
                                                    help="print the graph after this pass (import, an ONNX raising "
                                                         "pass, a compile pass), after lowering (lower), or after "
@@ -243,9 +252,18 @@ def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .
     """Print MODEL's IR: as imported, after any pass of its compile pipeline, or lowered to kernel calls.
 
     The compile options choose the pipeline, as with `infeng compile`; no C is built. With `--after all`
-    the graph's `meta` line is printed once, in the first section that has it."""
+    the graph's `meta` line is printed once, in the first section that has it. `--html FILE` writes the
+    IR explorer (docs/web.md) instead: every stage, the diffs, each node's kernels and their C source."""
     from infeng_common.manifest import is_artifact
 
+    if html is not None or format == IRFormat.model_explorer:
+        if after is not None:
+            raise InfengError("--html and --format model-explorer show every stage and the lowered graph; "
+                              "leave out --after")
+        _write_explorer(model, compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank,
+                                               lora_targets, tokenizer, quant, quant_policy, calib, calib_max_bytes,
+                                               kv, kv_window, act_precision), html, format, output, node_profile)
+        return
     from .compile import run_pipeline
     from .ir import print_graph
     from .ir.serialize import to_dot, to_json
@@ -309,12 +327,76 @@ def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .
     _write_text(text, output, f" ({len(graph.nodes)} nodes, {len(graph.weights)} weights)")
 
 
+def _explorer_input(model: str, options) -> tuple[str, object]:
+    """(model, options) the explorer runs: an artifact's own source and compile options (replayed)."""
+    from infeng_common.manifest import is_artifact
+
+    if not is_artifact(model):
+        return model, options
+    from .compile import replay_options
+
+    source, replayed = replay_options(model)
+    return str(source), replayed
+
+
+def _write_explorer(model: str, options, html: Path | None, format: IRFormat, output: Path | None,
+                    node_profile: Path | None) -> None:
+    from .explore import (explorer_data, explorer_html, model_explorer_graph, model_explorer_node_data,
+                          read_node_profile)
+
+    if format not in (IRFormat.text, IRFormat.model_explorer) or (html is not None and format != IRFormat.text):
+        raise InfengError("--html writes the explorer page; give it without --format, or use --format "
+                          "model-explorer alone")
+    profile = read_node_profile(node_profile) if node_profile else None
+    source, options = _explorer_input(model, options)
+    data = explorer_data(source, options, profile)
+    if html is not None:
+        html.write_text(explorer_html(data))
+        err.print(f"wrote {html} ({len(data['stages'])} stages, {len(data['stages'][-1]['nodes'])} nodes; "
+                  f"open it in a browser)")
+        return
+    _write_text(json.dumps(model_explorer_graph(data), indent=1) + "\n", output, " (Model Explorer JSON graph)")
+    if profile is not None and output is not None:
+        node_data = output.with_suffix(".nodedata.json")
+        node_data.write_text(json.dumps(model_explorer_node_data(data), indent=1) + "\n")
+        err.print(f"wrote {node_data} (the profile's share of the step per node: Model Explorer node data)")
+
+
 def _write_text(text: str, output: Path | None, what: str = "") -> None:
     if output:
         output.write_text(text)
         err.print(f"wrote {output}{what}")
     else:
         sys.stdout.write(text)
+
+
+@app.command("explore")
+@fails_cleanly
+def explore_command(model: str = typer.Argument(..., help="model dir, .safetensors, .onnx, .gguf, Hub id, or an "
+                                                           "artifact (its source is compiled again, as it was)"),
+                    host: str = typer.Option("127.0.0.1", "--host", help="bind address"),
+                    port: int = typer.Option(8001, "--port", help="TCP port to listen on"),
+                    node_profile: Optional[Path] = typer.Option(None, "--node-profile", metavar="FILE",
+                                                                help="heat overlay: time per node from infeng "
+                                                                     "bench --profile --node-profile FILE"),
+                    target: str = TARGET, dtype: Optional[DType] = DTYPE, passes: Optional[str] = PASSES,
+                    max_tokens: int = MAX_TOKENS, lora: list[str] = LORA, merge: list[str] = MERGE,
+                    max_adapters: int = MAX_ADAPTERS, max_rank: Optional[int] = MAX_RANK,
+                    lora_targets: Optional[str] = LORA_TARGETS, tokenizer: Optional[Path] = TOKENIZER,
+                    quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
+                    calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
+                    kv: KVScheme = KV, kv_window: int = KV_WINDOW,
+                    act_precision: Optional[ActPrecision] = ACT_PRECISION):
+    """Serve the IR explorer for MODEL: the graph after every pass, the diff of each pass, every node's
+    kernel and its C source, and a profile heat overlay (docs/web.md). No C is built."""
+    from .explore import explorer_data, read_node_profile, serve_explorer
+
+    options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank, lora_targets,
+                              tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window, act_precision)
+    profile = read_node_profile(node_profile) if node_profile else None
+    source, options = _explorer_input(model, options)
+    data = explorer_data(source, options, profile)
+    serve_explorer(data, host, port, announce=err.print)
 
 
 class Backend(str, Enum):
@@ -800,8 +882,10 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                   quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                   calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
                   kv: KVScheme = KV, kv_window: int = KV_WINDOW,
-                  act_precision: Optional[ActPrecision] = ACT_PRECISION):
-    """Serve MODEL over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics).
+                  act_precision: Optional[ActPrecision] = ACT_PRECISION,
+                  no_ui: bool = typer.Option(False, "--no-ui", help="no chat page at / (the API alone)")):
+    """Serve MODEL over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics)
+    and a chat page at / (docs/web.md).
 
     A model that is not an artifact is compiled first with the compile options, into a
     content-addressed cache: the next start with the same model and options reuses it."""
@@ -821,7 +905,7 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                            max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
                            shutdown_timeout=shutdown_timeout, always_include_usage=always_include_usage,
                            grammar_timeout=grammar_timeout, grammar_mask_timeout=grammar_mask_timeout,
-                           max_grammar_bytes=parse_size(max_grammar_bytes, "--max-grammar-bytes"))
+                           max_grammar_bytes=parse_size(max_grammar_bytes, "--max-grammar-bytes"), ui=not no_ui)
     from infeng_runtime.speculative import parse_speculative
 
     options.speculative = parse_speculative(speculative)
@@ -981,6 +1065,9 @@ def bench_command(artifact: Path = typer.Argument(..., help="compiled artifact d
                   threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
                   profile: bool = typer.Option(False, "--profile", help="per-op table (artifact built with --profile)"),
                   trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome trace of a few steps"),
+                  node_profile: Optional[Path] = typer.Option(None, "--node-profile", metavar="FILE",
+                                                              help="write time per IR node as JSON (the heat "
+                                                                   "overlay of infeng explore / ir --html)"),
                   bandwidth: bool = typer.Option(True, "--bandwidth/--no-bandwidth", help="measure memory bandwidth"),
                   as_json: bool = typer.Option(False, "--json", help="one JSON line per result"),
                   csv_path: Optional[Path] = typer.Option(None, "--csv", help="also write the results as CSV")):
@@ -992,10 +1079,16 @@ def bench_command(artifact: Path = typer.Argument(..., help="compiled artifact d
     from infeng_runtime.membw import measure_bandwidth
 
     engine = Engine(artifact, threads=threads, max_seqs=max(batch, 1), max_context=prompt_len + gen_len + 16)
-    if (profile or trace) and not engine.profiled:
+    if (profile or trace or node_profile) and not engine.profiled:
         raise InfengError(f"{artifact}: not compiled with --profile; run infeng compile ... --profile")
     gb_s = measure_bandwidth(engine.threads) if bandwidth else None
-    results, spans = run_bench(engine, BenchConfig(prompt_len, gen_len, batch, threads), gb_s)
+    results, spans, nodes = run_bench(engine, BenchConfig(prompt_len, gen_len, batch, threads), gb_s)
+    if node_profile:
+        decode = next(x for x in results if x["bench"] == "decode")
+        node_profile.write_text(json.dumps({"artifact": engine.path.name, "target": engine.manifest["target"],
+                                            "batch": batch, "step_ms": decode["p50_ms"],
+                                            "bandwidth_gb_s": gb_s, "nodes": nodes}, indent=1))
+        err.print(f"wrote {node_profile} (time per node over {gen_len} decode steps)")
     if not profile:
         results = [r for r in results if not r["bench"].startswith("profile")]
     if trace:
@@ -1083,6 +1176,7 @@ def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
     err.print(f"model file: {gguf}", highlight=False)
     err.print(f"{done} in {seconds:.1f} s: {artifact}", highlight=False)
     err.print(f"[dim]next: infeng chat {artifact}[/]", highlight=False)
+    err.print(f"[dim]or in a browser: infeng serve {artifact}[/]", highlight=False)
     llm = LLM(artifact, max_seqs=1)
     tokenizer = llm.tokenizer
     label = f"compiled, {llm.engine.threads} threads"

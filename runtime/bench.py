@@ -24,9 +24,11 @@ class BenchConfig:
     trace_steps: int = 3
 
 
-def run_bench(engine: Engine, cfg: BenchConfig, bandwidth_gb_s: float | None) -> tuple[list[dict], list[list[dict]]]:
+def run_bench(engine: Engine, cfg: BenchConfig,
+              bandwidth_gb_s: float | None) -> tuple[list[dict], list[list[dict]], list[dict]]:
     """(one dict per result: prefill, decode with roofline, per-op rows when profiled;
-    the per-op spans of the first ``trace_steps`` decode steps when profiled)."""
+    the per-op spans of the first ``trace_steps`` decode steps when profiled;
+    one row per IR node when profiled: ``node_rows``)."""
     rng = np.random.default_rng(0)
     B, P = cfg.batch, cfg.prompt_len
     prompts = rng.integers(0, engine.vocab_size, size=(B, P)).astype(np.int32)
@@ -76,9 +78,28 @@ def run_bench(engine: Engine, cfg: BenchConfig, bandwidth_gb_s: float | None) ->
             results[1]["weights_read_mib"] = round(read / 2**20, 1)
         results[1].update(bandwidth_gb_s=round(bandwidth_gb_s, 2), roofline_tok_s=round(roofline, 1),
                           roofline_frac=round(decode_tok_s / roofline, 3))
+    nodes = node_rows(profile, steps.sum(), len(steps), B, bandwidth_gb_s) if profile else []
     if profile:
         results += profile_rows(profile, steps.sum(), B, bandwidth_gb_s)
-    return results, spans
+    return results, spans, nodes
+
+
+def node_rows(profile: list[dict], step_seconds: float, steps: int, batch: int,
+              bandwidth_gb_s: float | None) -> list[dict]:
+    """Per IR node, in graph order: ms per decode step, % of the measured step time, GB/s of its
+    weights and the fraction of the memory-bandwidth roofline that is (the explorer's heat overlay)."""
+    rows = []
+    for e in profile:
+        sec = e["ns"] / 1e9
+        gb_s = e["weight_bytes"] * e["calls"] / sec / 1e9 if sec and e["weight_bytes"] else None
+        rows.append({"name": e["name"], "op": e["op"], "calls": e["calls"],
+                     "ms": round(sec * 1e3 / max(steps, 1), 6),
+                     "pct_of_step": round(100 * sec / step_seconds, 2) if step_seconds else 0.0,
+                     "gb_s": round(gb_s, 2) if gb_s else None,
+                     "roofline_frac": round(gb_s / bandwidth_gb_s, 3) if gb_s and bandwidth_gb_s else None,
+                     "gflop_s": round(e["flops_per_row"] * batch * e["calls"] / sec / 1e9, 2)
+                     if sec and e["flops_per_row"] else None})
+    return rows
 
 
 def profile_rows(profile: list[dict], step_seconds: float, batch: int, bandwidth_gb_s: float | None) -> list[dict]:

@@ -5,7 +5,8 @@ In order, for every HTTP request:
 1. **Host** (only when the server is bound to a loopback address): the ``Host`` header must name
    loopback (``localhost``, ``127.x.x.x``, ``[::1]``, any port), else 421. A web page the user
    opens cannot reach a loopback server through a DNS name it controls (DNS rebinding).
-2. **API key** (``--api-key``): every path but ``/health`` and ``/metrics`` needs
+2. **API key** (``--api-key``): every path but ``/health``, ``/metrics`` and the pages' static files
+   (``web.is_page_path``: the page asks for the key itself) needs
    ``Authorization: Bearer <key>``, compared in constant time, else 401.
 3. **Content type**: a request with a body must be ``application/json`` (a ``charset`` other than
    utf-8 is refused too), else 415: a web page can send ``text/plain`` across origins without a
@@ -37,6 +38,7 @@ from infeng_common.errors import InfengError
 
 from .api_errors import APIError
 from .request_log import record_of
+from .web import is_page_path
 
 #: Paths anyone who can reach the server may read (no key): liveness and Prometheus scrapes.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -150,7 +152,7 @@ class AccessGuard:
                 return APIError(421, "this server listens on loopback and only answers requests addressed to "
                                      "localhost, 127.0.0.1 or [::1] (the Host header names another host)",
                                 code="invalid_host")
-        if self._key is not None and scope["path"] not in OPEN_PATHS:
+        if self._key is not None and scope["path"] not in OPEN_PATHS and not is_page_path(scope["path"]):
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
                 return APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",

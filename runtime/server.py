@@ -31,6 +31,7 @@ import json
 import math
 import os
 import socket
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -461,6 +462,10 @@ class Server:
         async def prometheus():
             return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+        if options.ui:
+            from .web import mount_chat_page
+
+            mount_chat_page(app)
         return app
 
     def describe(self) -> dict[str, Any]:
@@ -477,7 +482,8 @@ class Server:
                 "max_context": self.loop.scheduler.max_context, "max_queue": self.loop.scheduler.max_waiting,
                 "adapters": ",".join(self.loop.adapters.served) or "-", "host": opts.host, "port": opts.port,
                 "api_key": "on" if opts.api_key else "off",
-                "adapter_roots": len(self.adapter_roots.roots), "max_request_bytes": opts.max_request_bytes}
+                "adapter_roots": len(self.adapter_roots.roots), "max_request_bytes": opts.max_request_bytes,
+                "chat_page": opts.page_url() if opts.ui else "off"}
 
     def _models(self) -> list[dict[str, Any]]:
         entries = [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "infeng",
@@ -1375,6 +1381,11 @@ class ServeOptions:
     grammar_timeout: float = GrammarLimits.compile_seconds
     grammar_mask_timeout: float = GrammarLimits.mask_seconds
     max_grammar_bytes: int = GrammarLimits.max_bytes
+    ui: bool = True                                # the chat page at / (--no-ui: the API alone)
+
+    def page_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/"
 
     def grammar_limits(self) -> GrammarLimits:
         return GrammarLimits(max_bytes=self.max_grammar_bytes, compile_seconds=self.grammar_timeout,
@@ -1431,6 +1442,8 @@ def serve(artifact: str | Path, options: ServeOptions) -> None:
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level,
                             log_config=None, access_log=False, timeout_graceful_shutdown=GRACEFUL_SECONDS)
     runner = _UvicornServer(config, server)
+    if options.ui and options.log_format == "text":
+        print(f"chat page: {options.page_url()}", file=sys.stderr, flush=True)
 
     def request_exit(code: int) -> None:
         if server.exit_code is None:

@@ -1115,6 +1115,9 @@ def _demo_synthetic(workdir: Path | None, prompt: str, max_new_tokens: int) -> N
     _print_stream(prompt, stream, lambda: stream.completion, False, f"compiled, {llm.engine.threads} threads")
 
 
+from . import cli_jobs  # noqa: E402,F401  (registers finetune and run-batch on app)
+
+
 def main() -> None:
     app()
 

@@ -82,3 +82,57 @@ def finetune_command(
     err.print(f"wrote {result.adapter_dir}: {result.steps} steps on {result.train_examples} examples in "
               f"{result.wall_s:.1f} s ({result.steps_per_s:.2f} steps/s, {result.tokens_per_s:.0f} tok/s), "
               f"loss {first:.4f} -> {last:.4f}{eval_part}", highlight=False)
+
+
+@app.command("run-batch")
+@fails_cleanly
+def run_batch_command(
+        model: str = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) compiled "
+                                              "into the artifact cache first"),
+        requests: Path = typer.Option(..., "-i", "--input", help="OpenAI Batch input file (JSONL)"),
+        output: Path = typer.Option(..., "-o", "--output", help="results file (JSONL; appended to: ids already "
+                                                                "in it are skipped)"),
+        errors: Optional[Path] = typer.Option(None, "--errors", help="error file (default: OUTPUT with "
+                                                                     ".errors.jsonl)"),
+        max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", min=1,
+                                                      help="requests in flight at once (default: --max-seqs)"),
+        max_seqs: int = typer.Option(16, "--max-seqs", min=1, help="sequences batched together (KV slots)"),
+        max_context: Optional[int] = typer.Option(None, "--max-context", min=1,
+                                                  help="tokens per sequence (default: the model's)"),
+        threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
+        adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
+                                          help="serve a LoRA adapter as model NAME (repeatable)"),
+        served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                        help="the base model's name in requests and results"),
+        warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="one step of every shape before the job"),
+        target: str = TARGET, dtype: Optional[DType] = typer.Option(None, "--dtype", help="weight storage when "
+                                                                                          "compiling MODEL"),
+        quant: Optional[QuantPreset] = typer.Option(None, "--quant", help="int8, int4 or fp8 when compiling MODEL"),
+        kv: KVScheme = typer.Option(KVScheme.f32, "--kv", help="KV cache format when compiling MODEL")):
+    """Run an OpenAI Batch file (`custom_id`, `method`, `url`, `body` per line) through the
+    server's engine loop: results in input order, one error line per bad line (docs/batch.md)."""
+    from infeng_runtime.batch_jobs import run_batch
+    from infeng_runtime.server import ServeOptions, build_server
+    from infeng_runtime.warmup import warm_up
+
+    from .cli import parse_named_paths
+
+    max_adapters = max(4, len(adapter)) if adapter else 0
+    artifact = _serving_artifact(model, target, dtype, 256, max_adapters, None, None, quant, None, None, None, kv, 0)
+    concurrency = max_concurrency or max_seqs
+    options = ServeOptions(threads=threads, max_seqs=max_seqs, max_context=max_context,
+                           max_waiting=max(256, concurrency), served_model_name=served_model_name,
+                           adapters=parse_named_paths(adapter, "--adapter"), log_level="warning")
+    server = build_server(artifact, options)
+    if warmup:
+        warmed = warm_up(server.engine)
+        err.print(f"warmed up: {warmed['steps']} steps in {warmed['seconds']:.2f} s", highlight=False)
+    errors = errors or output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
+    with _progress("requests") as bar:
+        task = bar.add_task("run-batch", total=None, info="")
+        summary = run_batch(server, requests, output, errors, max_concurrency=concurrency,
+                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+    server.engine.close()
+    skipped = f", {summary.skipped} already in {output}" if summary.skipped else ""
+    err.print(f"{summary.completed} results to {output}, {summary.failed} errors to {errors}{skipped} "
+              f"({summary.total} requests, {summary.wall_s:.1f} s)", highlight=False)

@@ -800,7 +800,12 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                   quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                   calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
                   kv: KVScheme = KV, kv_window: int = KV_WINDOW,
-                  act_precision: Optional[ActPrecision] = ACT_PRECISION):
+                  act_precision: Optional[ActPrecision] = ACT_PRECISION,
+                  prefix_cache_dir: Optional[Path] = typer.Option(None, "--prefix-cache-dir",
+                                                                  help="save the prefix cache here at shutdown and "
+                                                                       "load it at start (docs/serving.md)"),
+                  warmup: bool = typer.Option(False, "--warmup", help="run a step of every shape before the port "
+                                                                     "opens")):
     """Serve MODEL over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics).
 
     A model that is not an artifact is compiled first with the compile options, into a
@@ -821,7 +826,8 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                            max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
                            shutdown_timeout=shutdown_timeout, always_include_usage=always_include_usage,
                            grammar_timeout=grammar_timeout, grammar_mask_timeout=grammar_mask_timeout,
-                           max_grammar_bytes=parse_size(max_grammar_bytes, "--max-grammar-bytes"))
+                           max_grammar_bytes=parse_size(max_grammar_bytes, "--max-grammar-bytes"),
+                           prefix_cache_dir=prefix_cache_dir, warmup=warmup)
     from infeng_runtime.speculative import parse_speculative
 
     options.speculative = parse_speculative(speculative)

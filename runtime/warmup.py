@@ -9,11 +9,16 @@ paths once. The sequences used are freed after; nothing enters the prefix cache.
 """
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
 
 import numpy as np
 
 from .kv_cache import KVCacheFull
+from .prefix_store import load_prefix_cache
+
+_log = logging.getLogger("infeng.warmup")
 
 #: Sequence ids of the warm-up (far from the scheduler's, which count up from 0).
 _WARM_SEQ = 1 << 40
@@ -48,3 +53,14 @@ def warm_up(engine) -> dict[str, float]:
                 for seq in set(seq_ids.tolist()):
                     engine.free(seq)
     return {"steps": steps, "seconds": time.perf_counter() - started}
+
+
+def warm_start(engine, warmup: bool, prefix_cache_dir: str | Path | None) -> None:
+    """What ``infeng serve`` does before its port opens: the warm-up steps (``--warmup``), then the
+    saved prefix cache (``--prefix-cache-dir``; prefix_store.py). Each logs one line."""
+    if warmup:
+        done = warm_up(engine)
+        rows = warmup_row_counts(engine.max_tokens, engine.kv.max_seqs, engine.max_context)
+        _log.info(f"warm-up: {done['steps']} steps of {rows} token rows in {done['seconds']:.2f} s")
+    if prefix_cache_dir is not None:
+        load_prefix_cache(engine, prefix_cache_dir)

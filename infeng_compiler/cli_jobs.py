@@ -25,7 +25,8 @@ def _progress(unit: str) -> Progress:
 @fails_cleanly
 def finetune_command(
         model: str = typer.Argument(..., help="HF model dir, Hub id org/name, or a .gguf file (dequantized)"),
-        data: Path = typer.Argument(..., help="JSONL: {\"messages\": [...]} or {\"prompt\", \"completion\"} per line"),
+        data: Path = typer.Argument(..., help="JSONL, one example a line: chat messages, or a prompt and its "
+                                              "completion"),
         output: Path = typer.Option(..., "-o", "--output", help="the PEFT adapter directory to write"),
         method: str = typer.Option("lora", "--method", help="lora, rslora (scale alpha/sqrt(r)) or dora "
                                                            "(merge-only in infeng)"),
@@ -49,7 +50,7 @@ def finetune_command(
                                        help="checkpoint every N steps into OUTPUT/checkpoints (0: at the end)"),
         resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint in OUTPUT"),
         seed: int = typer.Option(0, "--seed", help="seeds the adapter init, data order and split"),
-        threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0: torch's default)"),
+        threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0 = torch's choice, one per core)"),
         bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16",
                                             help="bf16 autocast (default: where the CPU has bf16 instructions)")):
     """Fine-tune a LoRA adapter on MODEL with transformers + PEFT: loss on the answer tokens only.

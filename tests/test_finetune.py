@@ -182,9 +182,10 @@ def test_smollm2_finetune_moves_answers_and_matches_peft(tmp_path, smollm2_gguf,
     base = transformers.AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
                                                              dtype=torch.float32)
     model = peft_model(base, pirate.adapter_dir)
-    ids = load_tokenizer(str(smollm2_gguf)).apply_chat_template(
-        [{"role": "user", "content": "Tell me about the sun."}], add_generation_prompt=True)
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    tokenizer = load_tokenizer(str(smollm2_gguf))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the sun."}], tokenize=False,
+                                           add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
 

@@ -9,16 +9,14 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from infeng_common.errors import InfengError
-
-from .cli import TARGET, DType, KVScheme, QuantPreset, _serving_artifact, app, err, fails_cleanly
+from .cli import TARGET, DType, KVScheme, QuantPreset, _serving_artifact, app, err, fails_cleanly, parse_named_paths
 
 
 def _progress(unit: str) -> Progress:
     """A progress display on stderr with the fields a job reports (``info``)."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn(f"{{task.completed}}/{{task.total}} {unit}"),
-                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=err,
-                    disable=not err.is_terminal)
+    return Progress(TextColumn("{task.description}"), BarColumn(),
+                    TextColumn(f"{{task.completed}}/{{task.total}} {unit}"), TextColumn("{task.fields[info]}"),
+                    TimeRemainingColumn(), console=err, disable=not err.is_terminal)
 
 
 @app.command("finetune")
@@ -115,8 +113,6 @@ def run_batch_command(
     from infeng_runtime.batch_jobs import run_batch
     from infeng_runtime.server import ServeOptions, build_server
     from infeng_runtime.warmup import warm_up
-
-    from .cli import parse_named_paths
 
     max_adapters = max(4, len(adapter)) if adapter else 0
     artifact = _serving_artifact(model, target, dtype, 256, max_adapters, None, None, quant, None, None, None, kv, 0)

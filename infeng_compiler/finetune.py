@@ -409,6 +409,8 @@ def finetune(options: FinetuneOptions, report: Callable[[TrainProgress], None] =
         stage("evaluating")
         eval_loss = float(trainer.evaluate()["eval_loss"])
         report(TrainProgress(trainer.state.global_step, total_steps, None, eval_loss, 0.0, wall))
+    # the model as given (a GGUF file, not its folder), so that infeng's check of the base matches
+    model.peft_config["default"].base_model_name_or_path = str(options.model)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Could not find a config file")
         model.save_pretrained(output)

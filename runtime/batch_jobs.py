@@ -154,7 +154,7 @@ async def _run(app, lines: list[BatchLine], outputs: _OrderedWriter, errors: _Or
     gate = asyncio.Semaphore(max_concurrency)
     counts = {"ok": 0, "failed": 0, "done": 0}
 
-    def finish(line: BatchLine, ok: bool) -> None:
+    def finish(ok: bool) -> None:
         counts["ok" if ok else "failed"] += 1
         counts["done"] += 1
         progress(counts["done"], len(lines))
@@ -164,7 +164,7 @@ async def _run(app, lines: list[BatchLine], outputs: _OrderedWriter, errors: _Or
             code, message = line.problem
             outputs.put(line.line, None)
             errors.put(line.line, _result(line.custom_id, None, {"code": code, "message": message, "line": line.line}))
-            finish(line, False)
+            finish(False)
             return
         async with gate:
             response = await client.post(line.url, json=line.body)
@@ -183,7 +183,7 @@ async def _run(app, lines: list[BatchLine], outputs: _OrderedWriter, errors: _Or
                                "message": failure.get("message") or response.text, "line": line.line}
             outputs.put(line.line, None)
             errors.put(line.line, record)
-        finish(line, response.status_code == 200)
+        finish(response.status_code == 200)
 
     transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 0))
     async with app.router.lifespan_context(app):

@@ -345,9 +345,13 @@ def _progress_callback(report: Callable[[TrainProgress], None], started: list[fl
 def finetune(options: FinetuneOptions, report: Callable[[TrainProgress], None] = lambda p: None,
              stage: Callable[[str], None] = lambda s: None) -> FinetuneResult:
     """Train an adapter on ``options.data`` and save it in ``options.output``."""
-    import torch
-    import transformers
-    from peft import get_peft_model
+    try:
+        import torch
+        import transformers
+        from peft import get_peft_model
+    except ImportError as e:
+        raise InfengError(f"infeng finetune needs torch, transformers and peft ({e.name} is missing): "
+                          f"pip install 'infeng[finetune]'") from None
 
     options.check()
     if not Path(options.data).is_file():

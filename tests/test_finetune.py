@@ -117,6 +117,19 @@ def test_stories_finetune_loss_falls_and_peft_loads_it(tmp_path, stories_dir):
     assert any("lora_B" in name and param.abs().max() > 0 for name, param in model.named_parameters())
 
 
+def test_cli_trains_with_progress_eval_and_checkpoints(tmp_path, stories_dir):
+    data = write_jsonl(tmp_path / "stories.jsonl", STORY_DATA)
+    out = tmp_path / "adapter"
+    result = CliRunner().invoke(app, ["finetune", str(stories_dir), str(data), "-o", str(out), "--max-steps", "4",
+                                      "--eval-steps", "2", "--save-steps", "2", "--rank", "2", "--lr", "1e-2",
+                                      "--no-bf16", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "step 4/4 loss" in result.output and "eval " in result.output and "tok/s" in result.output
+    assert f"wrote {out}: 4 steps on 11 examples" in result.output
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+
+
 def test_stories_resume_equals_an_uninterrupted_run(tmp_path, stories_dir):
     """4 steps, then --resume to 8, gives the adapter 8 steps in one go give (same seed)."""
     whole = finetune(stories_options(tmp_path / "a", stories_dir, method="dora"))

@@ -883,7 +883,12 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                   calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
                   kv: KVScheme = KV, kv_window: int = KV_WINDOW,
                   act_precision: Optional[ActPrecision] = ACT_PRECISION,
-                  no_ui: bool = typer.Option(False, "--no-ui", help="no chat page at / (the API alone)")):
+                  no_ui: bool = typer.Option(False, "--no-ui", help="no chat page at / (the API alone)"),
+                  prefix_cache_dir: Optional[Path] = typer.Option(None, "--prefix-cache-dir",
+                                                                  help="save the prefix cache here at shutdown and "
+                                                                       "load it at start (docs/serving.md)"),
+                  warmup: bool = typer.Option(False, "--warmup", help="run a step of every shape before the port "
+                                                                     "opens")):
     """Serve MODEL over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics)
     and a chat page at / (docs/web.md).
 
@@ -905,7 +910,8 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                            max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
                            shutdown_timeout=shutdown_timeout, always_include_usage=always_include_usage,
                            grammar_timeout=grammar_timeout, grammar_mask_timeout=grammar_mask_timeout,
-                           max_grammar_bytes=parse_size(max_grammar_bytes, "--max-grammar-bytes"), ui=not no_ui)
+                           max_grammar_bytes=parse_size(max_grammar_bytes, "--max-grammar-bytes"), ui=not no_ui,
+                           prefix_cache_dir=prefix_cache_dir, warmup=warmup)
     from infeng_runtime.speculative import parse_speculative
 
     options.speculative = parse_speculative(speculative)
@@ -1207,6 +1213,9 @@ def _demo_synthetic(workdir: Path | None, prompt: str, max_new_tokens: int) -> N
     stream = llm.stream(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
     err.print("[dim](random weights: the text is noise; the speed is real)[/]")
     _print_stream(prompt, stream, lambda: stream.completion, False, f"compiled, {llm.engine.threads} threads")
+
+
+from . import cli_jobs  # noqa: E402,F401  (registers finetune and run-batch on app)
 
 
 def main() -> None:

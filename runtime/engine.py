@@ -349,6 +349,24 @@ class Engine:
         self.kv.free(int(seq))
         self.adapters.release(int(seq))
 
+    @property
+    def kv_blocks_portable(self) -> bool:
+        """The library can copy KV blocks in and out (``ife_kv_block_read``/``_write``)."""
+        return hasattr(self.lib, "ife_kv_block_read") and hasattr(self.lib, "ife_kv_block_write")
+
+    def read_kv_block(self, block: int) -> bytes:
+        """The bytes of KV block ``block`` (``kv_block_bytes`` of them, the library's format)."""
+        buf = bytearray(self.kv_block_bytes)
+        if self.lib.ife_kv_block_read(self._handle, block, self.ffi.from_buffer(buf)) != 0:
+            raise InfengError(f"KV block {block} is out of range")
+        return bytes(buf)
+
+    def write_kv_block(self, block: int, data: bytes) -> None:
+        if len(data) != self.kv_block_bytes:
+            raise InfengError(f"a KV block takes {self.kv_block_bytes} bytes, got {len(data)}")
+        if self.lib.ife_kv_block_write(self._handle, block, self.ffi.from_buffer(data)) != 0:
+            raise InfengError(f"KV block {block} is out of range")
+
     def _slot_freed(self, slot: int) -> None:
         if self._handle is not None:
             self._slot_free(self._handle, slot)

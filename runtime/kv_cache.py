@@ -215,6 +215,31 @@ class BlockAllocator:
                 self.hash_of[block] = h
         self.published_of[seq] = n_full
 
+    def published(self) -> list[tuple[bytes, int]]:
+        """(hash, block) of every cached block, least recently used first (the unreferenced ones
+        in LRU order, then those live sequences hold)."""
+        idle = [(self.hash_of[b], b) for b in self.evictable]
+        return idle + [(h, b) for h, b in self.cached.items() if b not in self.evictable]
+
+    def restore(self, hashes: Sequence[bytes]) -> list[int]:
+        """Publish blocks for ``hashes`` (least recently used first) as unreferenced cached blocks,
+        before any sequence runs; at most ``cache_blocks`` of them, the most recent kept. Returns
+        the block of each hash kept (the caller writes their contents), -1 for one not kept."""
+        if not self.prefix_cache:
+            return [-1] * len(hashes)
+        keep_from = max(0, len(hashes) - min(self.cache_blocks, self.n_blocks))
+        blocks = []
+        for i, h in enumerate(hashes):
+            if i < keep_from or h in self.cached:
+                blocks.append(-1)
+                continue
+            block = self._take_block()
+            self.cached[h] = block
+            self.hash_of[block] = h
+            self.evictable[block] = None
+            blocks.append(block)
+        return blocks
+
     def reset_prefix_cache(self) -> None:
         """Forget every unreferenced cached block (e.g. after an adapter is replaced)."""
         while self.evictable:

@@ -61,6 +61,7 @@ from .http_guard import AccessGuard, AccessPolicy, AdapterRoots, is_loopback_add
 from .json_body import JSONRejected, loads, parse_json
 from .loop import EngineLoop, EngineStopped
 from .metrics import ServerMetrics
+from .prefix_store import save_on_exit
 from .request_log import (LOG_FORMATS, LOG_LEVELS, LOGGER, InFlight, RequestLog, RequestRecord, configure_logging,
                           record_of)
 from .sampling import SEED_BOUND, SamplingParams
@@ -69,6 +70,7 @@ from .speculative import SpeculativeConfig
 from .structured import CONSTRAINT_FAILED, GrammarCompiler, GrammarError, GrammarSpec, tool_call_grammar
 from .tools import (ToolCall, ToolStream, arguments_object, hermes_messages, parse_forced, parse_tool_calls,
                     template_knows_tools)
+from .warmup import warm_start
 
 __all__ = ["APIError", "ServeOptions", "Server", "build_server", "serve"]
 
@@ -1381,6 +1383,8 @@ class ServeOptions:
     grammar_timeout: float = GrammarLimits.compile_seconds
     grammar_mask_timeout: float = GrammarLimits.mask_seconds
     max_grammar_bytes: int = GrammarLimits.max_bytes
+    prefix_cache_dir: Path | None = None           # warm restarts: prefix_store.py
+    warmup: bool = False                           # one step of every shape before the port opens
     ui: bool = True                                # the chat page at / (--no-ui: the API alone)
 
     def page_url(self) -> str:
@@ -1415,6 +1419,8 @@ class ServeOptions:
         if self.api_key is not None and not self.api_key.strip():
             raise InfengError("--api-key (or INFENG_API_KEY) is empty")
         AdapterRoots(self.adapter_roots)
+        if self.prefix_cache_dir is not None and not self.prefix_cache:
+            raise InfengError("--prefix-cache-dir needs the prefix cache (drop --no-prefix-cache)")
 
 
 def build_server(artifact: str | Path, options: ServeOptions) -> Server:
@@ -1439,6 +1445,7 @@ def serve(artifact: str | Path, options: ServeOptions) -> None:
     configure_logging(options.log_level, options.log_format)
     listener = bind_listener(options.host, options.port)
     server = build_server(artifact, options)
+    warm_start(server.engine, options.warmup, options.prefix_cache_dir)
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level,
                             log_config=None, access_log=False, timeout_graceful_shutdown=GRACEFUL_SECONDS)
     runner = _UvicornServer(config, server)
@@ -1456,6 +1463,8 @@ def serve(artifact: str | Path, options: ServeOptions) -> None:
     runner.run(sockets=[listener])
     if server.exit_code:
         raise SystemExit(server.exit_code)
+    if options.prefix_cache_dir is not None:
+        save_on_exit(server.engine, options.prefix_cache_dir)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -50,6 +50,12 @@ int ife_forward(ife_model *m, int n_tokens, const int32_t *tokens, const int32_t
  * per-slot state the library keeps (the f16 window ring's). A library without it (compiled before)
  * treats every step that does not continue a slot's last position as a new sequence. */
 void ife_slot_free(ife_model *m, int slot);
+/* Copy KV block `block` of the pool out to buf (ife_kv_block_read) or from buf into the pool
+ * (ife_kv_block_write): ife_kv_block_bytes() bytes, every layer's K then V part in layer order, in
+ * the library's own KV format. Persists the prefix cache across restarts (prefix_store.py).
+ * Returns nonzero for a block out of range. A library without them (compiled before) cannot. */
+int ife_kv_block_read(const ife_model *m, int block, void *buf);
+int ife_kv_block_write(ife_model *m, int block, const void *buf);
 
 /* LoRA slots (a library compiled with lora-slots; else ife_lora_sites() is 0). adapter_slots of
  * ife_forward: [n_tokens], the slot of each token, -1 for the base model; NULL for all -1.

@@ -232,3 +232,22 @@ def test_unknown_format() -> None:
         get_format("q3g32")
     with pytest.raises(InfengError):
         get_format("q8r_a")
+
+
+@pytest.mark.parametrize("name", ["q4g32", "q4g64", "q4g128", "q8r"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_clip_search_in_c_chooses_as_numpy(name: str, weighted: bool) -> None:
+    """codegen/clip_search.py picks the candidate numpy's search picks: same codes and scales, on
+    rows that are no multiple of its 16-group blocks, with zero rows, with and without calibration
+    weights (the Gram's diagonal)."""
+    from infeng_compiler.codegen.clip_search import clip_search
+
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((37, 200)) * 0.02).astype(np.float32)
+    w[3] = 0
+    w[5, :40] *= 30                                          # an outlier group
+    gram = rng.random(200) + 0.1 if weighted else None
+    numpy_choice = quantize(w, name, gram=gram)
+    c_choice = quantize(w, name, gram=gram, symmetric_choice=clip_search)
+    np.testing.assert_array_equal(c_choice.codes, numpy_choice.codes)
+    np.testing.assert_array_equal(c_choice.scales, numpy_choice.scales)

@@ -43,6 +43,7 @@ import numpy as np
 
 from infeng_common.errors import InfengError
 
+from ..codegen.clip_search import clip_search
 from ..ir import Graph, Node
 from ..quant.act import ACT_FORMS
 from ..quant.calibrate import calibration_args
@@ -179,7 +180,8 @@ class Quantize:
                 from ..quant.gptq import gptq_quantize
 
                 return gptq_quantize(_source_f32(graph.weights[name]), get_format(fmt), grams[name])
-            return quantize(_source_f32(graph.weights[name]), get_format(fmt), search=self.clip, gram=grams.get(name))
+            return quantize(_source_f32(graph.weights[name]), get_format(fmt), search=self.clip, gram=grams.get(name),
+                            symmetric_choice=clip_search)
 
         # one tensor per thread: each search is independent (numpy releases the GIL), results in order
         todo = [(name, a.format) for name, a in assignment.items() if is_quantized(a.format)]

@@ -26,7 +26,8 @@ import shutil
 import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -86,11 +87,13 @@ def compiler_version(cc: tuple[str, ...]) -> str:
 
 
 def build_library(sources: dict[str, str], target: Target, *, baseline_sources: set[str] | frozenset[str] = frozenset(),
-                  extra_flags: tuple[str, ...] = ()) -> BuildResult:
+                  extra_flags: tuple[str, ...] = (),
+                  progress: Callable[[int, int], None] | None = None) -> BuildResult:
     """Build ``sources`` (file name -> C text; ``.h`` files are written, ``.c`` files compiled).
 
     Sources named in ``baseline_sources`` are compiled without ``target``'s ISA flags (the CPU
-    check must run on any CPU); the others with them.
+    check must run on any CPU); the others with them. ``progress(done, total)`` hears each
+    translation unit compiled.
     """
     start = time.perf_counter()
     unknown = set(baseline_sources) - set(sources)
@@ -127,8 +130,13 @@ def build_library(sources: dict[str, str], target: Target, *, baseline_sources: 
                     for n in missing}
         _precompile_header(cc, src, {n: sources[n] for n in missing if unit_flags[n] == isa_flags}, headers,
                            isa_flags)
+        results: dict[str, subprocess.CompletedProcess] = {}
         with ThreadPoolExecutor(max_workers=max(1, min(len(missing), os.cpu_count() or 1))) as ex:
-            results = dict(zip(missing, ex.map(_run, commands.values())))
+            running = {ex.submit(_run, command): n for n, command in commands.items()}
+            for done in as_completed(running):
+                results[running[done]] = done.result()
+                if progress:
+                    progress(len(results), len(missing))
         for pch in src.glob("*.gch"):
             pch.unlink()
         failed = [n for n in missing if results[n].returncode != 0]

@@ -50,7 +50,8 @@ from ..quant.calibrate import calibration_args
 from ..quant.formats import get_format, is_quantized
 from ..quant.policy import GROUPS, PRESETS, QuantPolicy, check_format
 from ..quant.search import quantize
-from .manager import PassContext, register
+from ..quant.search_cache import SearchCache, search_key
+from .context import PassContext
 from .quantize_experts import quantize_experts
 
 _MATMUL_OPS = ("linear", "lora_linear", "logits")
@@ -108,7 +109,6 @@ class QuantReport:
                 "tensors": [t.as_dict() for t in self.tensors], "awq": self.awq}
 
 
-@register("quantize")
 class Quantize:
     name = "quantize"
     #: max |logits change| / max |logit| over a sentence of in-domain text on stories260K (a real
@@ -166,6 +166,8 @@ class Quantize:
             from ..quant.awq import apply_awq
             from ..quant.calibrate import calibration_ids, collect
 
+            if ctx.stage:
+                ctx.stage(f"{self.name}: calibration")
             chunks = calibration_ids(ctx.calibration_tokenizer(graph, self.name), self.calib, self.calib_max_bytes,
                                      min(self.calib_ctx, int(graph.meta.get("max_position_embeddings") or self.calib_ctx)))
             stats = collect(graph, chunks, progress=ctx.progress)
@@ -175,18 +177,29 @@ class Quantize:
             ctx.calib_tokens = int(chunks.size)
         grams = _grams(graph, stats) if stats else {}
 
+        cache = SearchCache(ctx.search_cache if self.clip or self.gptq else None)
+
         def quantize_weight(name: str, fmt: str):
-            if self.gptq and name in grams:
+            w, gram = _source_f32(graph.weights[name]), grams.get(name)
+            if self.gptq and gram is not None:
                 from ..quant.gptq import gptq_quantize
 
-                return gptq_quantize(_source_f32(graph.weights[name]), get_format(fmt), grams[name])
-            return quantize(_source_f32(graph.weights[name]), get_format(fmt), search=self.clip, gram=grams.get(name),
-                            symmetric_choice=clip_search)
+                return cache.get_or_search(search_key(w, fmt, "gptq", gram),
+                                           lambda: gptq_quantize(w, get_format(fmt), gram))
+            return cache.get_or_search(search_key(w, fmt, "clip" if self.clip else "rtn", gram),
+                                       lambda: quantize(w, get_format(fmt), search=self.clip, gram=gram,
+                                                        symmetric_choice=clip_search))
 
         # one tensor per thread: each search is independent (numpy releases the GIL), results in order
         todo = [(name, a.format) for name, a in assignment.items() if is_quantized(a.format)]
+        if ctx.stage:
+            ctx.stage(f"{self.name}: search")
+        quants = {}
         with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-            quants = dict(zip((name for name, _ in todo), pool.map(lambda job: quantize_weight(*job), todo)))
+            for (name, _), quant in zip(todo, pool.map(lambda job: quantize_weight(*job), todo)):
+                quants[name] = quant
+                if ctx.progress:
+                    ctx.progress(len(quants), len(todo))
         reports = []
         for name, a in assignment.items():
             w = graph.weights[name]

@@ -1,0 +1,87 @@
+"""Search results cached by weight hash and options, so that compiling a model again (another
+``-o``, another target, other KV options) does not search its scales again.
+
+An entry is ``<root>/<key>.npz`` holding one ``QuantizedTensor``'s arrays. The key is the sha256
+of everything the result depends on: the float32 weight bytes and shape, the format, the search
+method and its options (clipping on or off, GPTQ), the calibration Gram matrix when there is one,
+and the source of the modules that compute the result (``SEARCH_MODULES``), so a changed search
+never reads an old answer. Entries are written to a temporary name and renamed into place: two
+compiles filling the same entry both succeed.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from .formats import QuantizedTensor
+
+#: Modules whose code decides a search result (paths relative to the compiler package).
+SEARCH_MODULES = ("quant/search.py", "quant/formats.py", "quant/gptq.py", "codegen/clip_search.py")
+
+
+@lru_cache(maxsize=1)
+def _code_hash() -> bytes:
+    package = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for module in SEARCH_MODULES:
+        h.update(module.encode() + b"\0" + (package / module).read_bytes())
+    return h.digest()
+
+
+def search_key(w: np.ndarray, fmt: str, method: str, gram: np.ndarray | None) -> str:
+    """The cache key of quantizing ``w`` to ``fmt`` by ``method`` (e.g. ``clip``, ``rtn``, ``gptq``)
+    weighted by ``gram`` (None: weight error)."""
+    h = hashlib.sha256(_code_hash())
+    h.update(f"{fmt}\0{method}\0{w.shape}\0".encode())
+    h.update(np.ascontiguousarray(w, dtype=np.float32).data)
+    if gram is not None:
+        g = np.ascontiguousarray(gram, dtype=np.float64)
+        h.update(f"gram{g.shape}\0".encode())
+        h.update(g.data)
+    return h.hexdigest()
+
+
+class SearchCache:
+    """Quantized tensors by ``search_key``, under ``root`` (None: no cache, every search runs)."""
+
+    def __init__(self, root: Path | None):
+        self.root = root
+        self.hits = 0
+
+    def get_or_search(self, key: str, search: Callable[[], QuantizedTensor]) -> QuantizedTensor:
+        if self.root is None:
+            return search()
+        path = self.root / f"{key}.npz"
+        try:
+            with np.load(path, allow_pickle=False) as entry:
+                found = QuantizedTensor(str(entry["format"]), tuple(int(n) for n in entry["shape"]), entry["codes"],
+                                        entry["scales"], entry["zeros"] if "zeros" in entry else None,
+                                        entry["mins"] if "mins" in entry else None)
+            self.hits += 1
+            return found
+        except (OSError, KeyError, ValueError):            # absent or damaged: search again
+            pass
+        result = search()
+        self._put(path, result)
+        return result
+
+    def _put(self, path: Path, qt: QuantizedTensor) -> None:
+        arrays = {"format": np.array(qt.format), "shape": np.array(qt.shape), "codes": qt.codes, "scales": qt.scales}
+        if qt.zeros is not None:
+            arrays["zeros"] = qt.zeros
+        if qt.mins is not None:
+            arrays["mins"] = qt.mins
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".", suffix=".npz", dir=path.parent)
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        except OSError:                                     # a read-only or full cache only costs time
+            pass

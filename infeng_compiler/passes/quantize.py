@@ -44,13 +44,13 @@ import numpy as np
 from infeng_common.errors import InfengError
 
 from ..codegen.clip_search import clip_search
-from ..ir import Graph, Node
+from ..ir import Graph, Node, print_graph
 from ..quant.act import ACT_FORMS
 from ..quant.calibrate import calibration_args
 from ..quant.formats import get_format, is_quantized
 from ..quant.policy import GROUPS, PRESETS, QuantPolicy, check_format
 from ..quant.search import quantize
-from ..quant.search_cache import SearchCache, search_key
+from ..quant.search_cache import SearchCache, search_key, stats_key
 from .context import PassContext
 from .quantize_experts import quantize_experts
 
@@ -170,7 +170,9 @@ class Quantize:
                 ctx.stage(f"{self.name}: calibration")
             chunks = calibration_ids(ctx.calibration_tokenizer(graph, self.name), self.calib, self.calib_max_bytes,
                                      min(self.calib_ctx, int(graph.meta.get("max_position_embeddings") or self.calib_ctx)))
-            stats = collect(graph, chunks, progress=ctx.progress)
+            key = stats_key(print_graph(graph), [_stored(w) for w in graph.weights.values()], chunks)
+            stats = SearchCache(ctx.search_cache).get_or_collect(key, lambda: collect(graph, chunks,
+                                                                                      progress=ctx.progress))
             if self.awq:
                 quantized = {n: a.format for n, a in assignment.items() if is_quantized(a.format)}
                 awq_done = apply_awq(graph, stats, quantized)
@@ -249,6 +251,11 @@ def _bool(opts: dict[str, str], key: str, default: bool) -> bool:
 
 def _family(fmt: str) -> str:
     return "int4" if fmt.startswith("q4") else "int8" if fmt.startswith("q8") else "fp8" if fmt == "f8e4m3" else "int8"
+
+
+def _stored(w) -> np.ndarray:
+    """What ``w`` holds: its elements, or the codes of a weight a pass made quantized."""
+    return w.quant.codes if w.array is None and w.file is None and w.quant is not None else w.raw()
 
 
 def _source_f32(w) -> np.ndarray:

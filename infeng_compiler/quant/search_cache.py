@@ -1,11 +1,12 @@
 """Search results cached by weight hash and options, so that compiling a model again (another
-``-o``, another target, other KV options) does not search its scales again.
+``-o``, another target, other KV options) does not search its scales again, nor run calibration.
 
 An entry is ``<root>/<key>.npz`` holding one ``QuantizedTensor``'s arrays. The key is the sha256
 of everything the result depends on: the float32 weight bytes and shape, the format, the search
 method and its options (clipping on or off, GPTQ), the calibration Gram matrix when there is one,
 and the source of the modules that compute the result (``SEARCH_MODULES``), so a changed search
-never reads an old answer. Entries are written to a temporary name and renamed into place: two
+never reads an old answer. Calibration statistics (``stats-<key>.npz``) are keyed by the graph's
+text, every weight's bytes and the calibration token ids (``stats_key``). Entries are written to a temporary name and renamed into place: two
 compiles filling the same entry both succeed.
 """
 from __future__ import annotations
@@ -19,10 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .calibrate import ActStats
 from .formats import QuantizedTensor
 
-#: Modules whose code decides a search result (paths relative to the compiler package).
-SEARCH_MODULES = ("quant/search.py", "quant/formats.py", "quant/gptq.py", "codegen/clip_search.py")
+#: Modules whose code decides a search result or calibration statistics (paths relative to the
+#: compiler package).
+SEARCH_MODULES = ("quant/search.py", "quant/formats.py", "quant/gptq.py", "codegen/clip_search.py",
+                  "quant/calibrate.py", "interp.py", "ir/ops.py", "quant/kv.py", "quant/act.py")
 
 
 @lru_cache(maxsize=1)
@@ -45,6 +49,18 @@ def search_key(w: np.ndarray, fmt: str, method: str, gram: np.ndarray | None) ->
         h.update(f"gram{g.shape}\0".encode())
         h.update(g.data)
     return h.hexdigest()
+
+
+def stats_key(graph_text: str, weights: list[np.ndarray], chunks: np.ndarray) -> str:
+    """The cache key of calibration statistics: the graph (its text), its weights' stored bytes in
+    the text's order, the calibration token ids."""
+    h = hashlib.sha256(_code_hash())
+    h.update(graph_text.encode() + b"\0")
+    for w in weights:
+        h.update(f"{w.dtype}{w.shape}\0".encode())
+        h.update(np.ascontiguousarray(w).data)
+    h.update(np.ascontiguousarray(chunks, dtype=np.int64).data)
+    return "stats-" + h.hexdigest()
 
 
 class SearchCache:
@@ -71,12 +87,38 @@ class SearchCache:
         self._put(path, result)
         return result
 
+    def get_or_collect(self, key: str, collect: Callable[[], dict[str, ActStats]]) -> dict[str, ActStats]:
+        """Calibration statistics under ``key`` (``stats_key``), else ``collect()``'s, kept."""
+        if self.root is None:
+            return collect()
+        path = self.root / f"{key}.npz"
+        try:
+            with np.load(path, allow_pickle=False) as entry:
+                names = [str(n) for n in entry["names"]]
+                found = {name: ActStats(int(entry["tokens"][i]), entry[f"abs_mean{i}"], entry[f"gram{i}"])
+                         for i, name in enumerate(names)}
+            self.hits += 1
+            return found
+        except (OSError, KeyError, ValueError):
+            pass
+        stats = collect()
+        names = sorted(stats)
+        arrays: dict[str, np.ndarray] = {"names": np.array(names), "tokens": np.array([stats[n].tokens for n in names])}
+        for i, name in enumerate(names):
+            arrays[f"abs_mean{i}"], arrays[f"gram{i}"] = stats[name].abs_mean, stats[name].gram
+        self._write(path, arrays)
+        return stats
+
     def _put(self, path: Path, qt: QuantizedTensor) -> None:
         arrays = {"format": np.array(qt.format), "shape": np.array(qt.shape), "codes": qt.codes, "scales": qt.scales}
         if qt.zeros is not None:
             arrays["zeros"] = qt.zeros
         if qt.mins is not None:
             arrays["mins"] = qt.mins
+        self._write(path, arrays)
+
+    @staticmethod
+    def _write(path: Path, arrays: dict[str, np.ndarray]) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".", suffix=".npz", dir=path.parent)

@@ -239,7 +239,7 @@ def test_cli_eval_quant_and_kld(stories_dir, assets, tmp_path: Path) -> None:
 def test_a_second_calibrated_quantize_reads_the_search_cache(stories_dir, assets, tmp_path) -> None:
     """With ``PassContext.search_cache``: the calibration statistics and every tensor's search are
     kept by content hash, and a second run of the same pass on the same model reads them back to the
-    same codes and scales (and AWQ, which runs again on the kept statistics, to the same weights)."""
+    same codes and scales, and the kept AWQ choices to the same graph."""
     calib = assets / "text" / "wikitext-2-raw-v1-test.txt"
     entry = parse_pipeline(f"quantize(int4,calib={calib},calib_max_bytes=1000,calib_ctx=64)")
     graphs = []
@@ -248,9 +248,9 @@ def test_a_second_calibrated_quantize_reads_the_search_cache(stories_dir, assets
         PassManager(entry).run(graph, PassContext(model_dir=stories_dir, search_cache=tmp_path))
         graphs.append(graph)
     kept = sorted(p.name for p in tmp_path.glob("*.npz"))
-    assert sum(name.startswith("stats-") for name in kept) == 1
+    assert sum(name.startswith("stats-") for name in kept) == sum(name.startswith("awq-") for name in kept) == 1
     quantized = [n for n, w in graphs[0].weights.items() if w.quant is not None]
-    assert len(kept) == 1 + len(quantized)
+    assert len(kept) == 2 + len(quantized)
     for name in quantized:
         first, again = graphs[0].weights[name].quant, graphs[1].weights[name].quant
         np.testing.assert_array_equal(again.codes, first.codes)

@@ -50,7 +50,7 @@ from ..quant.calibrate import calibration_args
 from ..quant.formats import get_format, is_quantized
 from ..quant.policy import GROUPS, PRESETS, QuantPolicy, check_format
 from ..quant.search import quantize
-from ..quant.search_cache import SearchCache, search_key, stats_key
+from ..quant.search_cache import SearchCache, awq_key, search_key, stats_key
 from .context import PassContext
 from .quantize_experts import quantize_experts
 
@@ -170,12 +170,16 @@ class Quantize:
                 ctx.stage(f"{self.name}: calibration")
             chunks = calibration_ids(ctx.calibration_tokenizer(graph, self.name), self.calib, self.calib_max_bytes,
                                      min(self.calib_ctx, int(graph.meta.get("max_position_embeddings") or self.calib_ctx)))
+            calibration_cache = SearchCache(ctx.search_cache)
             key = stats_key(print_graph(graph), [_stored(w) for w in graph.weights.values()], chunks)
-            stats = SearchCache(ctx.search_cache).get_or_collect(key, lambda: collect(graph, chunks,
-                                                                                      progress=ctx.progress))
+            stats = calibration_cache.get_or_collect(key, lambda: collect(graph, chunks, progress=ctx.progress))
             if self.awq:
                 quantized = {n: a.format for n, a in assignment.items() if is_quantized(a.format)}
-                awq_done = apply_awq(graph, stats, quantized)
+                chosen = calibration_cache.awq_choices(awq_key(key, quantized))
+                searched = not chosen
+                awq_done = apply_awq(graph, stats, quantized, chosen=chosen)
+                if searched:
+                    calibration_cache.keep_awq_choices(awq_key(key, quantized), chosen)
             ctx.calib_tokens = int(chunks.size)
         grams = _grams(graph, stats) if stats else {}
 

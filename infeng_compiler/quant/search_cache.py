@@ -6,7 +6,9 @@ of everything the result depends on: the float32 weight bytes and shape, the for
 method and its options (clipping on or off, GPTQ), the calibration Gram matrix when there is one,
 and the source of the modules that compute the result (``SEARCH_MODULES``), so a changed search
 never reads an old answer. Calibration statistics (``stats-<key>.npz``) are keyed by the graph's
-text, every weight's bytes and the calibration token ids (``stats_key``). Entries are written to a temporary name and renamed into place: two
+text, every weight's bytes and the calibration token ids (``stats_key``), and the AWQ scale choices
+made on them (``awq-<key>.npz``, keyed by the statistics' key and the weights' formats). Entries
+are written to a temporary name and renamed into place: two
 compiles filling the same entry both succeed.
 """
 from __future__ import annotations
@@ -20,13 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .awq import AwqChoices
 from .calibrate import ActStats
 from .formats import QuantizedTensor
 
 #: Modules whose code decides a search result or calibration statistics (paths relative to the
 #: compiler package).
 SEARCH_MODULES = ("quant/search.py", "quant/formats.py", "quant/gptq.py", "codegen/clip_search.py",
-                  "quant/calibrate.py", "interp.py", "ir/ops.py", "quant/kv.py", "quant/act.py")
+                  "quant/calibrate.py", "interp.py", "ir/ops.py", "quant/kv.py", "quant/act.py", "quant/awq.py")
 
 
 @lru_cache(maxsize=1)
@@ -61,6 +64,15 @@ def stats_key(graph_text: str, weights: list[np.ndarray], chunks: np.ndarray) ->
         h.update(np.ascontiguousarray(w).data)
     h.update(np.ascontiguousarray(chunks, dtype=np.int64).data)
     return "stats-" + h.hexdigest()
+
+
+def awq_key(stats: str, formats: dict[str, str]) -> str:
+    """The cache key of the AWQ choices made on the statistics ``stats`` (a ``stats_key``) for
+    weights quantized to ``formats`` (weight name -> format)."""
+    h = hashlib.sha256(stats.encode())
+    for name in sorted(formats):
+        h.update(f"{name}\0{formats[name]}\0".encode())
+    return "awq-" + h.hexdigest()
 
 
 class SearchCache:
@@ -108,6 +120,24 @@ class SearchCache:
             arrays[f"abs_mean{i}"], arrays[f"gram{i}"] = stats[name].abs_mean, stats[name].gram
         self._write(path, arrays)
         return stats
+
+    def awq_choices(self, key: str) -> AwqChoices:
+        """The AWQ choices kept under ``key`` (``awq_key``); empty when there are none."""
+        if self.root is None:
+            return {}
+        try:
+            with np.load(self.root / f"{key}.npz", allow_pickle=False) as entry:
+                self.hits += 1
+                return {str(name): (float(a), float(b), float(c))
+                        for name, (a, b, c) in zip(entry["names"], entry["choices"])}
+        except (OSError, KeyError, ValueError):
+            return {}
+
+    def keep_awq_choices(self, key: str, choices: AwqChoices) -> None:
+        if self.root is not None and choices:
+            names = sorted(choices)
+            self._write(self.root / f"{key}.npz", {"names": np.array(names),
+                                                   "choices": np.array([choices[n] for n in names], np.float64)})
 
     def _put(self, path: Path, qt: QuantizedTensor) -> None:
         arrays = {"format": np.array(qt.format), "shape": np.array(qt.shape), "codes": qt.codes, "scales": qt.scales}

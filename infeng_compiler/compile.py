@@ -191,10 +191,18 @@ def check_finite(graph: Graph) -> None:
     """Refuse NaN or Inf in any weight (a model that would compute garbage), naming the tensor."""
     for name, weight in graph.weights.items():
         finite = (get_format(weight.format).all_finite(weight.quantized()) if is_quantized(weight.format)
-                  else np.isfinite(weight.numpy_f32()).all())
+                  else _all_finite_stored(weight))
         if not finite:
             raise ModelFormatError(f"{graph.meta.get('model_dir', graph.name)}: tensor {name} has non-finite values "
                                    f"(NaN or Inf)")
+
+
+def _all_finite_stored(weight) -> bool:
+    """No NaN or Inf among ``weight``'s stored elements, read as stored (bf16 by its exponent bits:
+    no float32 copy of a large checkpoint)."""
+    if weight.format == "bf16" and weight.type.dtype == "bf16":
+        return not np.any((np.asarray(weight.raw()).view(np.uint16) & 0x7F80) == 0x7F80)
+    return bool(np.isfinite(weight.numpy_f32()).all())
 
 
 def compile_model(model: str | Path, out_dir: str | Path, options: CompileOptions,

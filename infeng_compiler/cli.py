@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from infeng_common.errors import InfengError
@@ -136,9 +136,26 @@ def progress_bar(transient: bool = True, quiet: bool = False) -> Progress:
     """A progress bar on stderr: what runs, done/total, elapsed and remaining time. A transient one
     is not shown off a terminal (where it could not be erased and left a blank line, before an
     error's line too); none under ``quiet``."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=err, transient=transient,
                     disable=quiet or (transient and not err.is_terminal))
+
+
+class StageDisplay:
+    """One line of ``bar`` per compile: a fresh task (count, elapsed, ETA) for every stage or step."""
+
+    def __init__(self, bar: Progress):
+        self.bar = bar
+        self.task: TaskID | None = None
+
+    def stage(self, description: str) -> None:
+        if self.task is not None:
+            self.bar.remove_task(self.task)
+        self.task = self.bar.add_task(description, total=None)
+
+    def progress(self, done: int, total: int) -> None:
+        if self.task is not None:
+            self.bar.update(self.task, completed=done, total=total)
 
 
 class IRFormat(str, Enum):
@@ -559,10 +576,8 @@ def compile_command(model: Optional[str] = typer.Argument(None, help="model dir,
                                   lora_targets, tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window,
                                   act_precision, dump_ir=dump_ir, profile=profile)
     with progress_bar(quiet=quiet) as bar:
-        task = bar.add_task("compile", total=None)
-        summary = compile_model(model, output, options,
-                                stage=lambda name: bar.reset(task, description=name, total=None),
-                                progress=lambda done, total: bar.update(task, completed=done, total=total))
+        display = StageDisplay(bar)
+        summary = compile_model(model, output, options, stage=display.stage, progress=display.progress)
     table = Table(show_header=False)
     table.add_row("target", summary.target)
     table.add_row("pipeline", summary.pipeline)

@@ -24,7 +24,7 @@ import numpy as np
 
 from .awq import AwqChoices
 from .calibrate import ActStats
-from .formats import QuantizedTensor
+from .formats import QuantizedTensor, get_format
 
 #: Modules whose code decides a search result or calibration statistics (paths relative to the
 #: compiler package).
@@ -52,6 +52,13 @@ def search_key(w: np.ndarray, fmt: str, method: str, gram: np.ndarray | None) ->
         h.update(f"gram{g.shape}\0".encode())
         h.update(g.data)
     return h.hexdigest()
+
+
+def _unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """4-bit codes kept two to a byte (low nibble first) back to one per byte."""
+    codes = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), np.uint8)
+    codes[..., 0::2], codes[..., 1::2] = packed & 0x0F, packed >> 4
+    return codes
 
 
 def stats_key(graph_text: str, weights: list[np.ndarray], chunks: np.ndarray) -> str:
@@ -88,7 +95,8 @@ class SearchCache:
         path = self.root / f"{key}.npz"
         try:
             with np.load(path, allow_pickle=False) as entry:
-                found = QuantizedTensor(str(entry["format"]), tuple(int(n) for n in entry["shape"]), entry["codes"],
+                codes = _unpack_nibbles(entry["nibbles"]) if "nibbles" in entry else entry["codes"]
+                found = QuantizedTensor(str(entry["format"]), tuple(int(n) for n in entry["shape"]), codes,
                                         entry["scales"], entry["zeros"] if "zeros" in entry else None,
                                         entry["mins"] if "mins" in entry else None)
             self.hits += 1
@@ -140,7 +148,10 @@ class SearchCache:
                                                    "choices": np.array([choices[n] for n in names], np.float64)})
 
     def _put(self, path: Path, qt: QuantizedTensor) -> None:
-        arrays = {"format": np.array(qt.format), "shape": np.array(qt.shape), "codes": qt.codes, "scales": qt.scales}
+        codes = np.asarray(qt.codes)
+        four_bit = get_format(qt.format).bits == 4 and codes.shape[-1] % 2 == 0
+        arrays = {"format": np.array(qt.format), "shape": np.array(qt.shape), "scales": qt.scales,
+                  **({"nibbles": codes[..., 0::2] | (codes[..., 1::2] << 4)} if four_bit else {"codes": codes})}
         if qt.zeros is not None:
             arrays["zeros"] = qt.zeros
         if qt.mins is not None:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from infeng_common.errors import InfengError
 from infeng_common.manifest import MANIFEST, MANIFEST_VERSION
 
@@ -18,7 +20,7 @@ def write_weights(path: Path, graph, slots, total_bytes: int, progress=None) -> 
             if data.nbytes != slot.nbytes:
                 raise InfengError(f"weight {slot.name}: {data.nbytes} bytes, lowering planned {slot.nbytes}")
             f.seek(slot.offset)
-            f.write(data.tobytes(order="C"))
+            f.write(memoryview(np.ascontiguousarray(data)).cast("B"))     # no copy of the bytes
             if progress:
                 progress(i + 1, len(slots))
         f.truncate(total_bytes)

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from infeng_common.errors import InfengError
@@ -132,12 +132,30 @@ def fails_cleanly(fn: Callable) -> Callable:
     return wrapper
 
 
-def progress_bar(transient: bool = True) -> Progress:
-    """A progress bar on stderr; a transient one is not shown off a terminal (where it could not be
-    erased and left a blank line, before an error's line too)."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TimeRemainingColumn(), console=err, transient=transient,
-                    disable=transient and not err.is_terminal)
+def progress_bar(transient: bool = True, quiet: bool = False) -> Progress:
+    """A progress bar on stderr: what runs, done/total, elapsed and remaining time. A transient one
+    is not shown off a terminal (where it could not be erased and left a blank line, before an
+    error's line too); none under ``quiet``."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=err, transient=transient,
+                    disable=quiet or (transient and not err.is_terminal))
+
+
+class StageDisplay:
+    """One line of ``bar`` per compile: a fresh task (count, elapsed, ETA) for every stage or step."""
+
+    def __init__(self, bar: Progress):
+        self.bar = bar
+        self.task: TaskID | None = None
+
+    def stage(self, description: str) -> None:
+        if self.task is not None:
+            self.bar.remove_task(self.task)
+        self.task = self.bar.add_task(description, total=None)
+
+    def progress(self, done: int, total: int) -> None:
+        if self.task is not None:
+            self.bar.update(self.task, completed=done, total=total)
 
 
 class IRFormat(str, Enum):
@@ -239,8 +257,9 @@ def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .
                                                                 "from infeng bench --profile --node-profile FILE"),
                after: Optional[str] = typer.Option(None, "--after",
                                                    help="print the graph after this pass (import, an ONNX raising "
-                                                        "pass, a compile pass), after lowering (lower), or after "
-                                                        "each (all)"),
+                                                        "pass, a compile pass), after a compile phase (model, "
+                                                        "storage, fusion, memory), after lowering (lower), or after "
+                                                        "each pass (all)"),
                target: str = TARGET, dtype: Optional[DType] = DTYPE, passes: Optional[str] = PASSES, max_tokens: int = MAX_TOKENS,
                lora: list[str] = LORA, merge: list[str] = MERGE, max_adapters: int = MAX_ADAPTERS,
                max_rank: Optional[int] = MAX_RANK, lora_targets: Optional[str] = LORA_TARGETS,
@@ -295,9 +314,13 @@ def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .
             return
         snapshots.append((name, "" if format == IRFormat.onnx else render(g)))
 
+    def keep_phase(name: str, g) -> None:
+        if after == name:
+            keep(name, g)
+
     compile_stages = after is not None and after != "import"
     if compile_stages:
-        graph = run_pipeline(model, options, after=keep).graph
+        graph = run_pipeline(model, options, after=keep, after_phase=keep_phase).graph
     else:
         from .frontends import import_model
 
@@ -310,10 +333,12 @@ def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .
         snapshots.append(("lower", describe(lowered)))
     if after and not snapshots:
         from .frontends import ONNX_PIPELINE, is_onnx
+        from .passes.pipeline import COMPILE_PHASES
 
         ran = ["import", *(ONNX_PIPELINE.split(",") if is_onnx(model) else []),
                *(name for name, _ in options.pipeline()), "lower"]
-        raise InfengError(f"--after {after}: no such pass ran for {model} (passes: {', '.join(ran)}; or all)")
+        raise InfengError(f"--after {after}: no such pass ran for {model} (passes: {', '.join(ran)}; phases: "
+                          f"{', '.join(COMPILE_PHASES)}; or all)")
     if format == IRFormat.onnx:
         if not after:
             save_onnx(graph, output)
@@ -607,6 +632,7 @@ def compile_command(model: Optional[str] = typer.Argument(None, help="model dir,
                     max_tokens: int = MAX_TOKENS,
                     profile: bool = typer.Option(False, "--profile", help="time every IR node (see infeng bench --profile)"),
                     timings: bool = typer.Option(False, "--timings", help="also show time per pass"),
+                    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress display"),
                     lora: list[str] = LORA, merge: list[str] = MERGE, max_adapters: int = MAX_ADAPTERS,
                     max_rank: Optional[int] = MAX_RANK, lora_targets: Optional[str] = LORA_TARGETS,
                     tokenizer: Optional[Path] = TOKENIZER,
@@ -631,11 +657,9 @@ def compile_command(model: Optional[str] = typer.Argument(None, help="model dir,
         options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank,
                                   lora_targets, tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window,
                                   act_precision, dump_ir=dump_ir, profile=profile)
-    with progress_bar() as bar:
-        task = bar.add_task("compile", total=None)
-        summary = compile_model(model, output, options,
-                                stage=lambda name: bar.update(task, description=name, completed=0, total=None),
-                                progress=lambda done, total: bar.update(task, completed=done, total=total))
+    with progress_bar(quiet=quiet) as bar:
+        display = StageDisplay(bar)
+        summary = compile_model(model, output, options, stage=display.stage, progress=display.progress)
     table = Table(show_header=False)
     table.add_row("target", summary.target)
     table.add_row("pipeline", summary.pipeline)

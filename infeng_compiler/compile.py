@@ -28,10 +28,11 @@ from .codegen.target import get_target
 from .frontends import ONNX_PIPELINE, ModelSource, import_model, model_source
 from .frontends.peft import LoraAdapter, load_adapter
 from .ir import Graph, print_graph
-from .passes.act_precision import DEFAULT_ACT_PRECISION, act_precision_entry, act_precision_of
-from .passes.kv_cache import kv_entries, kv_summary
-from .passes.manager import PassContext, PassManager, PassRecord, format_pipeline, parse_pipeline
-from .passes.quantize import QuantReport, quant_layout, quantize_entry
+from .passes.act_precision import act_precision_of
+from .passes.kv_cache import kv_summary
+from .passes.manager import PassContext, PassManager, PassRecord, Phase, format_pipeline
+from .passes.pipeline import build_pipeline
+from .passes.quantize import QuantReport, quant_layout
 from .quant.formats import get_format, is_quantized
 
 DEFAULT_MAX_TOKENS = 256
@@ -66,36 +67,8 @@ class CompileOptions:
                                         # (None: DEFAULT_ACT_PRECISION; passes/act_precision.py)
 
     def pipeline(self, adapters: dict | None = None, graph: Graph | None = None) -> list[tuple[str, list[str]]]:
-        """The pass pipeline these options ask for (over ``graph``, the imported model, when given:
-        an explicit dtype widens the quantized weights a GGUF import kept exact)."""
-        if self.passes:
-            given = [flag for flag, value in (("--quant", self.quant), ("--quant-policy", self.quant_policy),
-                                              ("--kv", self.kv != "f32"), ("--dtype", self.dtype),
-                                              ("--merge", self.merge), ("--calib", self.calib),
-                                              ("--act-precision", self.act_precision)) if value]
-            if given:
-                raise InfengError(f"--passes is the whole pipeline; {', '.join(given)} would be ignored: put "
-                                  f"those passes in --passes instead")
-            return parse_pipeline(self.passes)
-        imported_quantized = graph is not None and any(w.attrs.get("prequantized") for w in graph.weights.values())
-        entries = [("merge-lora", [name]) for name in self.merge]
-        slotted = [a for name, a in (adapters or {}).items() if name not in self.merge]
-        if self.max_adapters or slotted:
-            k = self.max_adapters or max(4, len(slotted))
-            r = self.max_rank or max([a.max_rank for a in slotted] + [16])
-            entries.append(("lora-slots", [str(k), str(r)] + ([self.lora_targets] if self.lora_targets else [])))
-        kv = kv_entries(self.kv, self.kv_window, self.calib, self.calib_max_bytes)
-        weights_calibrated = self.quant is not None or self.quant_policy is not None
-        kv_calibrated = any(a.startswith("calib=") for _, args in kv for a in args)
-        if self.calib is not None and not weights_calibrated and not kv_calibrated:
-            raise InfengError("--calib needs --quant (calibrated weight scales) or an int8/int4 --kv (K centring)")
-        quantize = quantize_entry(self.quant, self.quant_policy, *((self.calib, self.calib_max_bytes)
-                                                                   if weights_calibrated else (None, None)))
-        cast = [self.dtype or "f32"] + (["all" if self.dtype else "keep-quantized"] if imported_quantized else [])
-        integer_weights = quantize is not None or (imported_quantized and not self.dtype)
-        act = act_precision_entry(self.act_precision or DEFAULT_ACT_PRECISION) if integer_weights else None
-        return (entries + kv + [("cast-weights", cast)] + ([quantize] if quantize else [])
-                + ([act] if act else []) + [("fuse-linears", [])])
+        """The pass pipeline these options ask for, its phases flattened (``passes/pipeline.py``)."""
+        return [entry for phase in build_pipeline(self, adapters, graph) for entry in phase.entries]
 
 
 @dataclass
@@ -125,23 +98,31 @@ class PassedGraph:
     source: ModelSource
     adapters: dict[str, LoraAdapter]
     pipeline: list[tuple[str, list[str]]]
+    phases: list[Phase]
     manager: PassManager
     context: PassContext                    # what the passes read and reported (quant_report, ...)
 
 
 def run_pipeline(model: str | Path, options: CompileOptions, after: Callable[[str, Graph], None] | None = None,
-                 timed: Callable[[str, Callable], Any] = lambda name, fn: fn()) -> PassedGraph:
+                 timed: Callable[[str, Callable], Any] = lambda name, fn: fn(),
+                 after_phase: Callable[[str, Graph], None] | None = None,
+                 stage: Callable[[str], None] | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> PassedGraph:
     """Import ``model`` and run the compile pipeline ``options`` describe; ``after(name, graph)`` sees
-    the graph after the import (and each ONNX raising pass) and after every compile pass."""
+    the graph after the import (and each ONNX raising pass) and after every compile pass,
+    ``after_phase(name, graph)`` after every compile phase; ``stage(description)`` hears each pass
+    start (and the steps of a long one), ``progress(done, total)`` its progress."""
     source = model_source(model, options.tokenizer)
     graph = timed("import", lambda: import_model(model, options.tokenizer, strict=True, after=after))
     timed("check", lambda: check_finite(graph))
     adapters = timed("adapters", lambda: {name: load_adapter(path, graph, name) for name, path in options.lora.items()})
-    pipeline = options.pipeline(adapters, graph)
-    manager = PassManager(pipeline, dump_dir=options.dump_ir)
-    context = PassContext(adapters=adapters, model_dir=source.tokenizer_dir)
-    timed("passes", lambda: manager.run(graph, context, after=after))
-    return PassedGraph(graph, source, adapters, pipeline, manager, context)
+    phases = build_pipeline(options, adapters, graph)
+    manager = PassManager.from_phases(phases, dump_dir=options.dump_ir)
+    context = PassContext(adapters=adapters, model_dir=source.tokenizer_dir, search_cache=search_cache_root(),
+                          progress=progress, stage=stage)
+    timed("passes", lambda: manager.run(graph, context, after=after, after_phase=after_phase,
+                                        before=(lambda name: stage(f"pass {name}")) if stage else None))
+    return PassedGraph(graph, source, adapters, manager.pipeline, phases, manager, context)
 
 
 def _swap_into_place(staging: Path, out_dir: Path) -> None:
@@ -210,10 +191,18 @@ def check_finite(graph: Graph) -> None:
     """Refuse NaN or Inf in any weight (a model that would compute garbage), naming the tensor."""
     for name, weight in graph.weights.items():
         finite = (get_format(weight.format).all_finite(weight.quantized()) if is_quantized(weight.format)
-                  else np.isfinite(weight.numpy_f32()).all())
+                  else _all_finite_stored(weight))
         if not finite:
             raise ModelFormatError(f"{graph.meta.get('model_dir', graph.name)}: tensor {name} has non-finite values "
                                    f"(NaN or Inf)")
+
+
+def _all_finite_stored(weight) -> bool:
+    """No NaN or Inf among ``weight``'s stored elements, read as stored (bf16 by its exponent bits:
+    no float32 copy of a large checkpoint)."""
+    if weight.format == "bf16" and weight.type.dtype == "bf16":
+        return not np.any((np.asarray(weight.raw()).view(np.uint16) & 0x7F80) == 0x7F80)
+    return bool(np.isfinite(weight.numpy_f32()).all())
 
 
 def compile_model(model: str | Path, out_dir: str | Path, options: CompileOptions,
@@ -233,7 +222,7 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
         stages[name] = time.perf_counter() - t0
         return result
 
-    passed = run_pipeline(model, options, timed=timed)
+    passed = run_pipeline(model, options, timed=timed, stage=stage, progress=progress)
     graph, source, adapters, pipeline, manager = (passed.graph, passed.source, passed.adapters, passed.pipeline,
                                                   passed.manager)
     model_dir = source.tokenizer_dir
@@ -241,7 +230,7 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
     lowered = timed("lower", lambda: lower(graph, target, max_tokens=options.max_tokens,
                                            block_size=options.block_size))
     sources, baseline = timed("render", lambda: render_sources(lowered, options.profile))
-    build = timed("build", lambda: build_library(sources, target, baseline_sources=baseline))
+    build = timed("build", lambda: build_library(sources, target, baseline_sources=baseline, progress=progress))
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -289,8 +278,11 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
                       for name in (LIBRARY, WEIGHTS)},
             "compile": {"model": str(source.path.resolve()), "options": options_record(options, target.name),
                         "inputs": inputs,
-                        "passes": [{"name": r.name, "args": r.args, "tolerance": r.tolerance, "changed": r.changed,
-                                    "seconds": round(r.seconds, 4)} for r in manager.records]},
+                        "phases": [*([{"name": "import", "passes": ONNX_PIPELINE.split(",")}]
+                                     if source.kind == "onnx" else []),
+                                   *(p.as_dict() for p in passed.phases)],
+                        "passes": [{"name": r.name, "args": r.args, "phase": r.phase, "tolerance": r.tolerance,
+                                    "changed": r.changed, "seconds": round(r.seconds, 4)} for r in manager.records]},
         }
         write_manifest(staging, manifest)
         _swap_into_place(staging, out_dir)
@@ -316,6 +308,12 @@ def compiler_fingerprint() -> str:
             if path.suffix in (".py", ".j2", ".h", ".c") and path.is_file():
                 h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()
+
+
+def search_cache_root() -> Path:
+    """Where the quantize pass keeps its search results (``quant/search_cache.py``): beside the
+    build cache."""
+    return cache_root().parent / "search"
 
 
 def artifact_cache_root() -> Path:

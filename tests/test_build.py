@@ -97,3 +97,27 @@ def test_bad_source_names_are_refused(cache: Path):
         build_library({"../escape.c": "int x;"}, TARGETS["scalar"])
     with pytest.raises(BuildError, match="baseline"):
         build_library({"a.c": "int x;"}, TARGETS["scalar"], baseline_sources={"b.c"})
+
+
+def test_precompiled_header_gives_the_same_objects_and_is_not_kept(cache: Path, tmp_path: Path):
+    """Enough units that include ife_kernels.h first get it precompiled (gcc): the objects are the
+    ones a build without it makes, every unit is reported to ``progress``, and no .gch is published."""
+    specs = [KernelSpec.make("add", "scalar", N=n) for n in (8, 16, 24, 32, 40)]
+    sources, baseline = library_sources(specs, TARGETS["scalar"])
+    seen: list[tuple[int, int]] = []
+    library = build_library(sources, TARGETS["scalar"], baseline_sources=baseline,
+                            progress=lambda done, total: seen.append((done, total)))
+    units = [n for n in sources if n.endswith(".c")]
+    assert seen == [(i, len(units)) for i in range(1, len(units) + 1)]
+    assert not list(cache.rglob("*.gch")) and library.path.is_file()
+    objects = {p.name: p.read_bytes() for p in (cache / OBJECTS_DIR).iterdir()}
+    kernel = f"{specs[0].symbol}.c"
+    (tmp_path / "plain").mkdir()
+    for name, text in sources.items():
+        (tmp_path / "plain" / name).write_text(text)
+    from infeng_compiler.codegen.build import BASE_FLAGS, compiler
+
+    flags = [*BASE_FLAGS, *TARGETS["scalar"].cflags]
+    subprocess.run([*compiler(), *flags, "-c", str(tmp_path / "plain" / kernel), "-o", str(tmp_path / "plain.o")],
+                   check=True)
+    assert (tmp_path / "plain.o").read_bytes() in objects.values()

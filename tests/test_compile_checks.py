@@ -60,3 +60,15 @@ def test_build_cache_hits_wherever_the_model_sits(stories_dir, tmp_path):
     assert second.cache_hit
     assert (tmp_path / "a.infeng" / "libmodel.so").read_bytes() == (tmp_path / "b.infeng" / "libmodel.so").read_bytes()
     assert first.out_dir != second.out_dir
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_bf16_weights_are_refused_by_their_bits(value):
+    """bf16 weights are checked on their exponent bits (no float32 copy): NaN and ±Inf found,
+    the largest finite bf16 passes."""
+    from infeng_compiler.compile import _all_finite_stored
+    from infeng_compiler.ir import TensorType, Weight
+
+    bits = (np.array([1.0, -2.5, 3.3895314e38, value], np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    assert _all_finite_stored(Weight("w", TensorType("bf16", (3,)), array=bits[:3]))
+    assert not _all_finite_stored(Weight("w", TensorType("bf16", (4,)), array=bits))

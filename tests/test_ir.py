@@ -268,3 +268,23 @@ def test_a_weight_prints_its_storage_format_as_its_type() -> None:
     assert 'weight @w : q4g32m[16,32] {source="f32", inline=true, prequantized="GGUF Q4_1"}' in text
     assert "format=" not in text
     assert print_graph(parse(text, arrays={"emb": g.weights["emb"].array, "w": w.array})) == text
+
+
+def test_the_ir_imports_nothing_from_quant() -> None:
+    """DESIGN §2: formats own their quantization and register what they add (ir/storage.py);
+    no module of ir/ imports quant/, so there is no cycle between them."""
+    import ast
+    from pathlib import Path
+
+    import infeng_compiler.ir as ir_package
+
+    for path in sorted(Path(ir_package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ["." * node.level + (node.module or "")] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                assert not name.startswith("..quant") and not name.startswith("infeng_compiler.quant"), \
+                    f"ir/{path.name} imports {name}"
+    from infeng_compiler.ir import storage
+
+    assert storage.weights().is_quantized("q4g32") and not storage.weights().is_quantized("f16")

@@ -57,3 +57,14 @@ def test_after_all_prints_meta_once_and_4bit_weights_as_such(stories_dir):
     quantized = result.stdout.split("# after quantize\n")[1].split("# after fuse-linears")[0]
     assert re.search(r'weight @model\.layers\.0\.self_attn\.q_proj\.weight : q4g32\[64,64\] \{source="f32"', quantized)
     assert "format=" not in quantized
+
+
+def test_after_a_phase_is_after_its_last_pass(stories_dir):
+    """``--after storage`` prints what ``--after quantize`` (its last pass) prints; an empty phase
+    (no LoRA: ``model``) prints the graph as it entered it."""
+    storage = run(str(stories_dir), "--quant", "int8", "--after", "storage")
+    quantize = run(str(stories_dir), "--quant", "int8", "--after", "quantize")
+    assert storage.exit_code == 0 and storage.stdout == quantize.stdout, storage.output
+    model = run(str(stories_dir), "--quant", "int8", "--after", "model")
+    imported = run(str(stories_dir), "--after", "import")
+    assert model.exit_code == 0 and model.stdout == imported.stdout

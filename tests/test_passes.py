@@ -21,8 +21,9 @@ from infeng_common.peft import LoraAdapter, LoraModule
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter
 from infeng_compiler.ir import Graph, parse, print_graph
-from infeng_compiler.passes import catalogue  # importing it registers every pass
-from infeng_compiler.passes.manager import PASSES, PassContext, PassManager, parse_pipeline
+from infeng_compiler.passes import catalogue
+from infeng_compiler.passes.catalogue import PASSES
+from infeng_compiler.passes.manager import PassContext, PassManager, parse_pipeline
 
 #: in-domain text for stories260K (TinyStories): logits of a trained model on its own kind of text
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
@@ -318,3 +319,37 @@ def test_no_pass_imports_a_frontend() -> None:
             for name in names:
                 assert not name.startswith("..frontends") and not name.startswith("infeng_compiler.frontends"), \
                     f"{path.name} imports {name}"
+
+
+def test_build_pipeline_returns_named_phases() -> None:
+    """docs/ir.md: model rewrites, then storage formats, then fusion, then the memory plan; every
+    phase present, an empty one too; an explicit --passes falls into phases by the pass table."""
+    from infeng_compiler.compile import CompileOptions
+    from infeng_compiler.passes.manager import phases_of
+    from infeng_compiler.passes.pipeline import COMPILE_PHASES, build_pipeline
+
+    phases = build_pipeline(CompileOptions(kv="fht-int8", quant="int4", max_adapters=2))
+    assert [p.name for p in phases] == list(COMPILE_PHASES) == ["model", "storage", "fusion", "memory"]
+    assert [[n for n, _ in p.entries] for p in phases] == [
+        ["lora-slots"], ["fht-kv", "kv-format", "cast-weights", "quantize"], ["fuse-linears"], []]
+    explicit = phases_of(parse_pipeline("cast-weights(f16),fuse-linears,quantize(int8)"))
+    assert [(p.name, [n for n, _ in p.entries]) for p in explicit] == [
+        ("storage", ["cast-weights"]), ("fusion", ["fuse-linears"]), ("storage", ["quantize"])]
+
+
+def test_the_pass_table_lists_every_pass_class_and_nothing_registers_itself() -> None:
+    """An explicit table (passes/catalogue.py), not registration by import side effect."""
+    from infeng_compiler.passes.catalogue import PASS_TABLE, PHASES
+
+    assert all(info.phase in PHASES for info in PASS_TABLE.values())
+    for path in sorted(Path(catalogue.__file__).parent.glob("*.py")):
+        text = path.read_text()
+        assert "@register" not in text, f"{path.name} registers a pass by decorator"
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            named = [b.value.value for b in node.body if isinstance(b, ast.Assign) and isinstance(b.value, ast.Constant)
+                     and [getattr(t, "id", "") for t in b.targets] == ["name"]]      # a pass: name = "..."
+            for name in named:
+                assert name in PASS_TABLE and PASS_TABLE[name].factory.__name__ == node.name, \
+                    f"{path.name}: pass class {node.name} ({name!r}) is not in the pass table"

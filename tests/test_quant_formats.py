@@ -232,3 +232,49 @@ def test_unknown_format() -> None:
         get_format("q3g32")
     with pytest.raises(InfengError):
         get_format("q8r_a")
+
+
+@pytest.mark.parametrize("name", ["q4g32", "q4g64", "q4g128", "q8r"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_clip_search_in_c_chooses_as_numpy(name: str, weighted: bool) -> None:
+    """codegen/clip_search.py picks the candidate numpy's search picks: same codes and scales, on
+    rows that are no multiple of its 16-group blocks, with zero rows, with and without calibration
+    weights (the Gram's diagonal)."""
+    from infeng_compiler.codegen.clip_search import clip_search
+
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((37, 200)) * 0.02).astype(np.float32)
+    w[3] = 0
+    w[5, :40] *= 30                                          # an outlier group
+    gram = rng.random(200) + 0.1 if weighted else None
+    numpy_choice = quantize(w, name, gram=gram)
+    c_choice = quantize(w, name, gram=gram, symmetric_choice=clip_search)
+    np.testing.assert_array_equal(c_choice.codes, numpy_choice.codes)
+    np.testing.assert_array_equal(c_choice.scales, numpy_choice.scales)
+
+
+def test_search_cache_returns_what_the_search_chose(tmp_path) -> None:
+    """A second search of the same weight, format and options reads the first one's result; a
+    changed weight, format, method or Gram matrix searches again."""
+    from infeng_compiler.quant.search_cache import SearchCache, search_key
+
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((16, 64)) * 0.02).astype(np.float32)
+    cache = SearchCache(tmp_path)
+    searched: list[str] = []
+
+    def search(fmt: str = "q4g32"):
+        searched.append(fmt)
+        return quantize(w, fmt)
+
+    first = cache.get_or_search(search_key(w, "q4g32", "clip", None), search)
+    again = cache.get_or_search(search_key(w, "q4g32", "clip", None), search)
+    assert searched == ["q4g32"] and cache.hits == 1
+    for field in ("codes", "scales"):
+        np.testing.assert_array_equal(getattr(again, field), getattr(first, field))
+    assert (again.format, again.shape, again.zeros, again.mins) == (first.format, first.shape, None, None)
+    keys = {search_key(w, "q4g32", "clip", None), search_key(w + 1e-3, "q4g32", "clip", None),
+            search_key(w, "q4g64", "clip", None), search_key(w, "q4g32", "gptq", None),
+            search_key(w, "q4g32", "clip", np.eye(64))}
+    assert len(keys) == 5
+    assert SearchCache(None).get_or_search("unused", search) is not None and searched == ["q4g32", "q4g32"]

@@ -234,3 +234,25 @@ def test_cli_eval_quant_and_kld(stories_dir, assets, tmp_path: Path) -> None:
     bad = subprocess.run(cmd[:-4] + ["--calib", str(tmp_path / "missing.txt"), "--quant", "int4"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and re.search(r"missing\.txt: calibration text file not found", bad.stderr)
+
+
+def test_a_second_calibrated_quantize_reads_the_search_cache(stories_dir, assets, tmp_path) -> None:
+    """With ``PassContext.search_cache``: the calibration statistics and every tensor's search are
+    kept by content hash, and a second run of the same pass on the same model reads them back to the
+    same codes and scales, and the kept AWQ choices to the same graph."""
+    calib = assets / "text" / "wikitext-2-raw-v1-test.txt"
+    entry = parse_pipeline(f"quantize(int4,calib={calib},calib_max_bytes=1000,calib_ctx=64)")
+    graphs = []
+    for _ in range(2):
+        graph = import_hf(stories_dir)
+        PassManager(entry).run(graph, PassContext(model_dir=stories_dir, search_cache=tmp_path))
+        graphs.append(graph)
+    kept = sorted(p.name for p in tmp_path.glob("*.npz"))
+    assert sum(name.startswith("stats-") for name in kept) == sum(name.startswith("awq-") for name in kept) == 1
+    quantized = [n for n, w in graphs[0].weights.items() if w.quant is not None]
+    assert len(kept) == 2 + len(quantized)
+    for name in quantized:
+        first, again = graphs[0].weights[name].quant, graphs[1].weights[name].quant
+        np.testing.assert_array_equal(again.codes, first.codes)
+        np.testing.assert_array_equal(again.scales, first.scales)
+    assert print_graph(graphs[1]) == print_graph(graphs[0])

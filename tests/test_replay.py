@@ -44,7 +44,10 @@ def test_replay_is_byte_identical(stories_dir, calib, tmp_path, case):
     compile_cli(str(stories_dir), "-o", str(first), "--target", "scalar", *args)
     record = json.loads((first / "manifest.json").read_text())["compile"]
     assert record["options"]["target"] == "scalar" and str(stories_dir.resolve() / "model.safetensors") in record["inputs"]
-    assert all({"name", "args", "tolerance", "changed", "seconds"} <= set(p) for p in record["passes"])
+    assert all({"name", "args", "phase", "tolerance", "changed", "seconds"} <= set(p) for p in record["passes"])
+    assert [p["name"] for p in record["phases"]] == ["model", "storage", "fusion", "memory"]
+    pipeline = json.loads((first / "manifest.json").read_text())["pipeline"]
+    assert ",".join(e for p in record["phases"] for e in p["passes"]) == pipeline
     compile_cli("--replay", str(first), "-o", str(again))
     assert files_of(again) == files_of(first)
 

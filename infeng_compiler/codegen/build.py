@@ -9,6 +9,12 @@ two processes building the same library at once both succeed and one of the two 
 Object files are cached too, in ``<cache>/objects/<sha256>.o``, keyed by the unit's text, every
 header, the unit's flags and the compiler's version: a library that differs from a built one in a
 few units (another model of the same shapes, other adapter slots) compiles only those units.
+
+Every unit is its own process, two or more at a time (one per core). With gcc, the header most
+units include first (``ife_kernels.h``: immintrin.h and the shared helpers, most of a small unit's
+compile time) is precompiled once per build (``<header>.gch`` beside it, which gcc reads instead of
+the text when the flags match); the objects are the same byte for byte. The ``.gch`` is deleted
+before the entry is published.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ import shutil
 import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -36,9 +43,12 @@ LINK_FLAGS = ("-shared", "-pthread")
 LIBS = ("-lm",)
 LIBRARY_NAME = "libmodel.so"
 OBJECTS_DIR = "objects"
+#: Units that must include one header first for precompiling it to pay (0.5 s once vs ~0.15 s a unit).
+PCH_MIN_UNITS = 4
 #: Compiler diagnostics shown in a BuildError, at most.
 MAX_ERRORS_SHOWN = 5
 
+_FIRST_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+\.h)"', re.MULTILINE)
 _DIAGNOSTIC = re.compile(r"^(?P<file>[^:\s]+):(?P<line>\d+):(?:\d+:)? (?:fatal )?error: (?P<msg>.*)$")
 
 
@@ -77,11 +87,13 @@ def compiler_version(cc: tuple[str, ...]) -> str:
 
 
 def build_library(sources: dict[str, str], target: Target, *, baseline_sources: set[str] | frozenset[str] = frozenset(),
-                  extra_flags: tuple[str, ...] = ()) -> BuildResult:
+                  extra_flags: tuple[str, ...] = (),
+                  progress: Callable[[int, int], None] | None = None) -> BuildResult:
     """Build ``sources`` (file name -> C text; ``.h`` files are written, ``.c`` files compiled).
 
     Sources named in ``baseline_sources`` are compiled without ``target``'s ISA flags (the CPU
-    check must run on any CPU); the others with them.
+    check must run on any CPU); the others with them. ``progress(done, total)`` hears each
+    translation unit compiled.
     """
     start = time.perf_counter()
     unknown = set(baseline_sources) - set(sources)
@@ -116,8 +128,17 @@ def build_library(sources: dict[str, str], target: Target, *, baseline_sources: 
         missing = [n for n in units if not objects[n].is_file()]
         commands = {n: [*cc, *unit_flags[n], "-c", str(src / n), "-o", str(work / (n[:-2] + ".o"))]
                     for n in missing}
+        _precompile_header(cc, src, {n: sources[n] for n in missing if unit_flags[n] == isa_flags}, headers,
+                           isa_flags)
+        results: dict[str, subprocess.CompletedProcess] = {}
         with ThreadPoolExecutor(max_workers=max(1, min(len(missing), os.cpu_count() or 1))) as ex:
-            results = dict(zip(missing, ex.map(_run, commands.values())))
+            running = {ex.submit(_run, command): n for n, command in commands.items()}
+            for done in as_completed(running):
+                results[running[done]] = done.result()
+                if progress:
+                    progress(len(results), len(missing))
+        for pch in src.glob("*.gch"):
+            pch.unlink()
         failed = [n for n in missing if results[n].returncode != 0]
         if failed:
             raise _compile_error(root, key, work, failed, results, commands, target)
@@ -157,6 +178,22 @@ def _object_key(name: str, text: str, headers: dict[str, str], cc: tuple[str, ..
     for header in sorted(headers):
         h.update(header.encode() + b"\0" + headers[header].encode() + b"\0")
     return h.hexdigest()
+
+
+def _precompile_header(cc: tuple[str, ...], src: Path, units: dict[str, str], headers: dict[str, str],
+                       flags: tuple[str, ...]) -> None:
+    """With gcc, precompile the header that at least ``PCH_MIN_UNITS`` of ``units`` include first
+    (as ``src/<header>.gch``, for ``flags``). A failure only costs the time: gcc falls back to the
+    text of a header whose ``.gch`` is missing or does not match."""
+    if "Free Software Foundation" not in compiler_version(cc):
+        return
+    first = [m.group(1) for m in map(_FIRST_INCLUDE.search, units.values()) if m]
+    if not first:
+        return
+    header = max(set(first), key=first.count)
+    if header not in headers or first.count(header) < PCH_MIN_UNITS:
+        return
+    _run([*cc, *flags, "-x", "c-header", str(src / header), "-o", str(src / f"{header}.gch")])
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:

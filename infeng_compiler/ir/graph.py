@@ -13,6 +13,7 @@ import numpy as np
 
 from infeng_common.errors import IRError, ModelFormatError
 
+from . import storage
 from .types import DTYPES, TensorType, bf16_to_f32, f32_to_bf16
 
 
@@ -67,22 +68,17 @@ class Weight:
         return self.attrs.get("format", self.type.dtype)
 
     def quantized(self):
-        """The ``QuantizedTensor`` of a weight in a quantized format (``quant/formats.py``)."""
-        from ..quant.formats import get_format
-        from ..quant.search import quantize
-
+        """The ``QuantizedTensor`` of a weight in a quantized format (registered by ``quant/``)."""
         if self.quant is None or self.quant.format != self.format:
             raw = self.raw()
             f32 = bf16_to_f32(np.asarray(raw)) if self.type.dtype == "bf16" else np.asarray(raw, dtype=np.float32)
-            self.quant = quantize(f32, get_format(self.format))
+            self.quant = storage.weights().quantize(f32, self.format)
         return self.quant
 
     def stored(self) -> np.ndarray:
         """The weight in its storage format: float32, float16, bf16 bits as uint16, or the packed
         bytes (uint8) of a quantized format (contiguous)."""
-        from ..quant.formats import is_quantized
-
-        if is_quantized(self.format):
+        if storage.weights().is_quantized(self.format):
             return self.quantized().pack()
         raw, src, fmt = self.raw(), self.type.dtype, self.format
         if fmt == src:
@@ -98,9 +94,7 @@ class Weight:
 
     def numpy_f32(self) -> np.ndarray:
         """The weight as float32, rounded through its storage format (a copy when converting)."""
-        from ..quant.formats import is_quantized
-
-        if is_quantized(self.format):
+        if storage.weights().is_quantized(self.format):
             return self.quantized().dequantize()
         data = self.stored()
         if self.format == "bf16":

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import storage
 from .graph import Weight
 from .ops import _expect, op, reference
 from .types import DTYPES, TensorType
@@ -141,9 +142,7 @@ def _experts_ref(ins, ws, attrs, step):
     def rounded(rows: np.ndarray) -> np.ndarray:
         if not quant:
             return rows
-        from ..quant.act import fake_quant
-
-        return fake_quant(rows, quant[1], quant[0])
+        return storage.round_activations(rows, quant[1], quant[0])
 
     out = np.zeros((x.shape[0], H), dtype=np.float64)
     for e in np.unique(ids):

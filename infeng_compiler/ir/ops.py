@@ -15,6 +15,7 @@ import numpy as np
 
 from infeng_common.errors import InfengError, IRError, UnsupportedError
 
+from . import storage
 from .types import TensorType
 
 #: A shape rule returns the result types, or None where they depend on operand *values* (primitive
@@ -403,15 +404,14 @@ def _attention_shape(ins, ws, attrs):
     _expect(sinks is None or sinks.shape == (h,), f"attention: sinks must be [{h}] (one per query head), got {sinks}")
     _expect(len(ws) <= 1 + bool(attrs.get("sinks")), "attention: a second weight operand needs sinks=true")
     if any(a in attrs for a in KV_ATTRS):
-        from ..quant.kv import attention_kv_formats, check_format, is_power_of_two
-
-        kf, vf, group = attention_kv_formats(attrs)
+        kv = storage.kv()
+        kf, vf, group = kv.attention_kv_formats(attrs)
         try:
-            check_format(kf, hd, group, "attention k_format")
-            check_format(vf, hd, group, "attention v_format")
+            kv.check_format(kf, hd, group, "attention k_format")
+            kv.check_format(vf, hd, group, "attention v_format")
         except InfengError as e:
             raise IRError(str(e)) from None
-        _expect(not attrs.get("rotate_qk") or is_power_of_two(hd),
+        _expect(not attrs.get("rotate_qk") or kv.is_power_of_two(hd),
                 f"attention: rotate_qk needs a power-of-two head_dim, got {hd}")
         window = attrs.get("kv_window", 0)
         _expect(isinstance(window, int) and window >= 0, f"attention: kv_window must be an int >= 0, got {window!r}")
@@ -433,18 +433,18 @@ def _attention_ref(ins, ws, attrs, step):
             step.kv.write(layer, int(s), pos[rows], k[rows].reshape(-1, kvh, hd), v[rows].reshape(-1, kvh, hd))
         return [_attend(q, pos, step, attrs, ws)]
     # store what the attention_kvq kernels store (docs/kv-cache.md)
-    from ..quant.kv import QUANTIZED, attention_kv_formats, fht_heads, quantize, round_f16, store_rows
-
-    kf, vf, group = attention_kv_formats(attrs)
+    kv = storage.kv()
+    QUANTIZED, store_rows, round_f16 = kv.QUANTIZED, kv.store_rows, kv.round_f16
+    kf, vf, group = kv.attention_kv_formats(attrs)
     if attrs.get("rotate_qk"):
-        q, k = fht_heads(q, h, hd), fht_heads(k, kvh, hd)
+        q, k = kv.fht_heads(q, h, hd), kv.fht_heads(k, kvh, hd)
     if k_mean is not None:   # centred K: every score of a query moves by q·k_mean, softmax does not see it
         k = (k - k_mean[None, :]).astype(np.float32)
     k3, v3 = k.reshape(-1, kvh, hd), v.reshape(-1, kvh, hd)
     rows_of = {"k": store_rows(k3, kf, group), "v": store_rows(v3, vf, group)}
     if kf in QUANTIZED and vf == "int8":      # integer P·V: exact scores and V codes need the codes themselves
-        rows_of["k_codes"], rows_of["k_scales"] = quantize(k3, kf, group)
-        rows_of["v_codes"], rows_of["v_scales"] = quantize(v3, vf, group)
+        rows_of["k_codes"], rows_of["k_scales"] = kv.quantize(k3, kf, group)
+        rows_of["v_codes"], rows_of["v_scales"] = kv.quantize(v3, vf, group)
     if attrs.get("kv_window", 0) and (kf in QUANTIZED or vf in QUANTIZED):
         # the f16 copy of the last kv_window positions (quantized formats only)
         rows_of["recent_k"] = round_f16(k3) if kf in QUANTIZED else rows_of["k"]
@@ -455,6 +455,13 @@ def _attention_ref(ins, ws, attrs, step):
     return [_attend(q, pos, step, attrs, ws)]
 
 
+def _dot_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b^T`` over the last two axes ([h, t, d] x [h, L, d] -> [h, t, L]). The transpose is
+    made contiguous first: numpy's batched matmul runs a transposed operand through its own loop,
+    a hundred times slower than BLAS on the calibration shapes."""
+    return a @ np.ascontiguousarray(b.swapaxes(-1, -2))
+
+
 def _attend(q: np.ndarray, pos: np.ndarray, step, attrs: dict, ws: list) -> np.ndarray:
     """Every query of ``q`` (rotated when the cache is) over its sequence's cached rows."""
     h, kvh, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
@@ -462,9 +469,9 @@ def _attend(q: np.ndarray, pos: np.ndarray, step, attrs: dict, ws: list) -> np.n
     per_kv = h // kvh
     _, sink_weight = attention_weights(ws, attrs)
     sinks = None if sink_weight is None else np.asarray(sink_weight, dtype=np.float64)      # [h]
-    from ..quant.kv import QUANTIZED, attention_kv_formats, integer_scores, quantized_pv, query_codes
-
-    kf, vf, _ = attention_kv_formats(attrs)
+    kv = storage.kv()
+    QUANTIZED, integer_scores, quantized_pv, query_codes = kv.QUANTIZED, kv.integer_scores, kv.quantized_pv, kv.query_codes
+    kf, vf, _ = kv.attention_kv_formats(attrs)
     integer_k = kf in QUANTIZED
     integer_pv = integer_k and vf == "int8"
     recent = attrs.get("kv_window", 0) if (kf in QUANTIZED or vf in QUANTIZED) else 0
@@ -489,9 +496,9 @@ def _attend(q: np.ndarray, pos: np.ndarray, step, attrs: dict, ws: list) -> np.n
             scores = integer_scores(q_codes[:, rows], q_scale[:, rows], k_codes, k_scales.astype(np.float32))
             scores = scores.astype(np.float64)                                    # [h, t, L]
         elif integer_k:  # the same integer dot products, in float64
-            scores = (q_codes[:, rows] * q_scale[:, rows]) @ K.transpose(0, 2, 1)
+            scores = _dot_rows(q_codes[:, rows] * q_scale[:, rows], K)
         else:
-            scores = (by_head(q[rows]) @ K.transpose(0, 2, 1)) * attrs["scale"]
+            scores = _dot_rows(by_head(q[rows]), K) * attrs["scale"]
         j = np.arange(length)
         allowed = (j[None, :] <= p[:, None])[None]                                # [1, t, L]
         if window:
@@ -501,7 +508,7 @@ def _attend(q: np.ndarray, pos: np.ndarray, step, attrs: dict, ws: list) -> np.n
             Kr, Vr = (heads(x) for x in step.kv.read(layer, int(s), length, "recent_k", "recent_v"))
             in_recent = (j[None, :] > p[:, None] - recent)[None] & allowed
             query = by_head(q_scaled[rows]) if integer_k else by_head(q[rows]) * attrs["scale"]
-            scores = np.where(in_recent, query @ Kr.transpose(0, 2, 1), scores)
+            scores = np.where(in_recent, _dot_rows(query, Kr), scores)
         scores = np.where(allowed, scores, -np.inf)
         top = scores.max(axis=-1, keepdims=True)
         if sinks is not None:    # the sink joins the max and the denominator, attends to nothing

@@ -23,7 +23,7 @@ from infeng_common.errors import InfengError
 
 from ..ir import Graph
 from ..quant.formats import get_format, is_quantized
-from .manager import PassContext, register
+from .context import PassContext
 
 MODES = ("int8", "f32", "auto")
 #: The mode a compile takes when none is given: int8, whose rows have the same bits whatever step
@@ -41,7 +41,6 @@ def _integer_weight(fmt: str) -> bool:
     return is_quantized(fmt) and fmt != "mxfp4" and get_format(fmt).kind == "int"
 
 
-@register("act-precision")
 class ActPrecision:
     name = "act-precision"
     #: it removes (some of) the activation rounding the quantize pass added, whose int4 bound is 0.5

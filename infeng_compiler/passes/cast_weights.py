@@ -19,12 +19,11 @@ from typing import ClassVar
 from infeng_common.errors import InfengError
 
 from ..ir import Graph
-from .manager import PassContext, register
+from .context import PassContext
 
 FORMATS = ("f32", "f16", "bf16")
 
 
-@register("cast-weights")
 class CastWeights:
     name = "cast-weights"
     #: max |logits change| / max |logit| allowed per format. bf16 keeps 8 significant bits: on the

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 from ..ir import Graph
-from .manager import PassContext, register
+from .context import PassContext
 from .rewrite import dead_code_elimination
 
 
-@register("dce")
 class DeadCodeElimination:
     name = "dce"
     tolerance = 0.0

@@ -13,10 +13,9 @@ from infeng_common.errors import InfengError
 
 from ..ir import Graph
 from ..quant.act import ACT_FORMS
-from .manager import PassContext, register
+from .context import PassContext
 
 
-@register("experts-act")
 class ExpertsAct:
     name = "experts-act"
     #: max |logits change| / max |logit|: int8 rows in blocks of 32, as the int4 preset's activations

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ir import Graph, TensorType, Weight
-from .manager import PassContext, register
+from .context import PassContext
 from .rewrite import (
     INLINE_LIMIT,
     PROBE_LENGTHS,
@@ -32,7 +32,6 @@ from .rewrite import (
 _MAX_FOLD = 1 << 16
 
 
-@register("fold-shapes")
 class FoldShapes:
     name = "fold-shapes"
     tolerance = 0.0

@@ -26,10 +26,9 @@ import numpy as np
 
 from ..ir import Graph, Node, Weight
 from ..quant.formats import QuantizedTensor, is_quantized
-from .manager import PassContext, register
+from .context import PassContext
 
 
-@register("fuse-linears")
 class FuseLinears:
     name = "fuse-linears"
     tolerance = 1e-5   # relative: the same dot products, possibly summed in another order

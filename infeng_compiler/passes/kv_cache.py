@@ -45,7 +45,7 @@ from infeng_common.errors import InfengError
 from ..ir import Graph, Node, TensorType, Weight
 from ..quant.calibrate import calibration_args
 from ..quant.kv import KV_FORMATS, QUANTIZED, check_format, default_group, hadamard, is_power_of_two
-from .manager import PassContext, register
+from .context import PassContext
 
 #: max |logits change| / max |logit| per KV format, measured on the tests' random models (weights of
 #: std 0.2, peaky attention) with margin: f16 about 1e-3, int8 about 1e-2, int4 about 0.1.
@@ -104,7 +104,6 @@ def parse_kv_args(pass_name: str, args: tuple[str, ...]) -> KVArgs:
     return KVArgs(k, v, window, group, calib, numbers.get("calib_max_bytes"), numbers.get("calib_ctx", 256))
 
 
-@register("kv-format")
 class KVFormat:
     name = "kv-format"
 
@@ -165,7 +164,6 @@ class KVFormat:
         return True
 
 
-@register("fht-kv")
 class FhtKV:
     name = "fht-kv"
     tolerance = 1e-5      # relative: float32 rounding of the rotated weights

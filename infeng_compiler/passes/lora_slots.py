@@ -10,10 +10,9 @@ from __future__ import annotations
 from infeng_common.errors import InfengError
 
 from ..ir import Graph, TensorType
-from .manager import PassContext, register
+from .context import PassContext
 
 
-@register("lora-slots")
 class LoraSlots:
     name = "lora-slots"
     tolerance = 0.0   # with no adapter loaded the graph computes exactly what it did

@@ -7,10 +7,9 @@ from __future__ import annotations
 from infeng_common.errors import InfengError
 
 from ..ir import Graph, Weight
-from .manager import PassContext, register
+from .context import PassContext
 
 
-@register("merge-lora")
 class MergeLora:
     name = "merge-lora"
     tolerance = 1e-5   # relative: the merge is exact up to float32 rounding of W'

@@ -43,13 +43,15 @@ import numpy as np
 
 from infeng_common.errors import InfengError
 
-from ..ir import Graph, Node
+from ..codegen.clip_search import clip_search
+from ..ir import Graph, Node, print_graph
 from ..quant.act import ACT_FORMS
 from ..quant.calibrate import calibration_args
 from ..quant.formats import get_format, is_quantized
 from ..quant.policy import GROUPS, PRESETS, QuantPolicy, check_format
 from ..quant.search import quantize
-from .manager import PassContext, register
+from ..quant.search_cache import SearchCache, awq_key, search_key, stats_key
+from .context import PassContext
 from .quantize_experts import quantize_experts
 
 _MATMUL_OPS = ("linear", "lora_linear", "logits")
@@ -107,7 +109,6 @@ class QuantReport:
                 "tensors": [t.as_dict() for t in self.tensors], "awq": self.awq}
 
 
-@register("quantize")
 class Quantize:
     name = "quantize"
     #: max |logits change| / max |logit| over a sentence of in-domain text on stories260K (a real
@@ -165,26 +166,46 @@ class Quantize:
             from ..quant.awq import apply_awq
             from ..quant.calibrate import calibration_ids, collect
 
+            if ctx.stage:
+                ctx.stage(f"{self.name}: calibration")
             chunks = calibration_ids(ctx.calibration_tokenizer(graph, self.name), self.calib, self.calib_max_bytes,
                                      min(self.calib_ctx, int(graph.meta.get("max_position_embeddings") or self.calib_ctx)))
-            stats = collect(graph, chunks, progress=ctx.progress)
+            calibration_cache = SearchCache(ctx.search_cache)
+            key = stats_key(print_graph(graph), [_stored(w) for w in graph.weights.values()], chunks)
+            stats = calibration_cache.get_or_collect(key, lambda: collect(graph, chunks, progress=ctx.progress))
             if self.awq:
                 quantized = {n: a.format for n, a in assignment.items() if is_quantized(a.format)}
-                awq_done = apply_awq(graph, stats, quantized)
+                chosen = calibration_cache.awq_choices(awq_key(key, quantized))
+                searched = not chosen
+                awq_done = apply_awq(graph, stats, quantized, chosen=chosen)
+                if searched:
+                    calibration_cache.keep_awq_choices(awq_key(key, quantized), chosen)
             ctx.calib_tokens = int(chunks.size)
         grams = _grams(graph, stats) if stats else {}
 
+        cache = SearchCache(ctx.search_cache if self.clip or self.gptq else None)
+
         def quantize_weight(name: str, fmt: str):
-            if self.gptq and name in grams:
+            w, gram = _source_f32(graph.weights[name]), grams.get(name)
+            if self.gptq and gram is not None:
                 from ..quant.gptq import gptq_quantize
 
-                return gptq_quantize(_source_f32(graph.weights[name]), get_format(fmt), grams[name])
-            return quantize(_source_f32(graph.weights[name]), get_format(fmt), search=self.clip, gram=grams.get(name))
+                return cache.get_or_search(search_key(w, fmt, "gptq", gram),
+                                           lambda: gptq_quantize(w, get_format(fmt), gram))
+            return cache.get_or_search(search_key(w, fmt, "clip" if self.clip else "rtn", gram),
+                                       lambda: quantize(w, get_format(fmt), search=self.clip, gram=gram,
+                                                        symmetric_choice=clip_search))
 
         # one tensor per thread: each search is independent (numpy releases the GIL), results in order
         todo = [(name, a.format) for name, a in assignment.items() if is_quantized(a.format)]
+        if ctx.stage:
+            ctx.stage(f"{self.name}: search")
+        quants = {}
         with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-            quants = dict(zip((name for name, _ in todo), pool.map(lambda job: quantize_weight(*job), todo)))
+            for (name, _), quant in zip(todo, pool.map(lambda job: quantize_weight(*job), todo)):
+                quants[name] = quant
+                if ctx.progress:
+                    ctx.progress(len(quants), len(todo))
         reports = []
         for name, a in assignment.items():
             w = graph.weights[name]
@@ -234,6 +255,11 @@ def _bool(opts: dict[str, str], key: str, default: bool) -> bool:
 
 def _family(fmt: str) -> str:
     return "int4" if fmt.startswith("q4") else "int8" if fmt.startswith("q8") else "fp8" if fmt == "f8e4m3" else "int8"
+
+
+def _stored(w) -> np.ndarray:
+    """What ``w`` holds: its elements, or the codes of a weight a pass made quantized."""
+    return w.quant.codes if w.array is None and w.file is None and w.quant is not None else w.raw()
 
 
 def _source_f32(w) -> np.ndarray:

@@ -33,7 +33,7 @@ import numpy as np
 from ..interp import Interpreter
 from ..ir import Graph, Node, TensorType, Value, Weight
 from ..ir.ops import const_array, rope_inv_freq
-from .manager import PassContext, register
+from .context import PassContext
 from .rewrite import PROBE_LENGTHS, dead_code_elimination, evaluate, length_only_values, make_node, place, probe_step
 
 _LAYOUT = ("reshape", "transpose", "unsqueeze", "squeeze", "expand", "identity", "add_batch", "drop_batch")
@@ -48,7 +48,6 @@ def _need(cond: Any) -> None:
         raise _NoMatch
 
 
-@register("raise")
 class Raise:
     name = "raise"
     #: max |change of any raised value| / max |value| (float32 evaluation order only)

@@ -44,10 +44,16 @@ class AwqScale:
     scale: np.ndarray
 
 
+#: value name -> (α, loss before, loss after) of a search done before (``apply_awq``'s ``chosen``).
+AwqChoices = dict[str, tuple[float, float, float]]
+
+
 def apply_awq(graph: Graph, stats: dict[str, ActStats], formats: dict[str, str],
-              alphas: tuple[float, ...] = ALPHAS) -> list[AwqScale]:
+              alphas: tuple[float, ...] = ALPHAS, chosen: AwqChoices | None = None) -> list[AwqScale]:
     """Search and fold a scale for every value whose consumers are all quantized ``linear``
-    nodes and whose producer can absorb it. Returns what was folded (α = 0 results are skipped)."""
+    nodes and whose producer can absorb it. Returns what was folded (α = 0 results are skipped).
+    ``chosen``: the α (and losses) of every value searched before, used instead of searching;
+    a value not in it is searched and added to it."""
     done: list[AwqScale] = []
     for value in [v for n in graph.nodes for v in n.outputs]:
         if value.name not in stats:
@@ -60,23 +66,17 @@ def apply_awq(graph: Graph, stats: dict[str, ActStats], formats: dict[str, str],
         a = np.maximum(st.abs_mean, 1e-8)
         if fold[0] == "attention":
             a = _per_kv_channel(a, fold[1])
-        gram = st.gram / max(st.tokens, 1)
         ws = [graph.weights[n.weights[0].name].numpy_f32() for n in consumers]
-        fmts = [formats[n.weights[0].name] for n in consumers]
-        base_loss = sum(_loss(w, fmt, np.ones(w.shape[1]), gram) for w, fmt in zip(ws, fmts))
-        best = (base_loss, 0.0, None)
-        for alpha in alphas:
-            if alpha == 0.0:
-                continue
-            s = a ** alpha
-            s = s / np.sqrt(s.max() * s.min())
-            s_in = _expand_kv(s, fold[1]) if fold[0] == "attention" else s
-            loss = sum(_loss(w, fmt, s_in, gram) for w, fmt in zip(ws, fmts))
-            if loss < best[0]:
-                best = (loss, alpha, s)
-        loss, alpha, s = best
-        if alpha == 0.0 or s is None:
+        if chosen is not None and value.name in chosen:
+            alpha, base_loss, loss = chosen[value.name]
+        else:
+            alpha, base_loss, loss = _search_alpha(a, fold, ws, [formats[n.weights[0].name] for n in consumers],
+                                                   st.gram / max(st.tokens, 1), alphas)
+            if chosen is not None:
+                chosen[value.name] = (alpha, base_loss, loss)
+        if alpha == 0.0:
             continue
+        s = _scale(a, alpha)
         s_in = _expand_kv(s, fold[1]) if fold[0] == "attention" else s
         for n, w in zip(consumers, ws):
             _replace(graph, n.weights[0], w * s_in[None, :].astype(np.float32))
@@ -85,6 +85,28 @@ def apply_awq(graph: Graph, stats: dict[str, ActStats], formats: dict[str, str],
         done.append(AwqScale(value.name, target, [n.weights[0].name for n in consumers], alpha,
                              float(base_loss), float(loss), s_in))
     return done
+
+
+def _scale(a: np.ndarray, alpha: float) -> np.ndarray:
+    """``a^α`` normalised to geometric mean 1 (of its extremes)."""
+    s = a ** alpha
+    return s / np.sqrt(s.max() * s.min())
+
+
+def _search_alpha(a: np.ndarray, fold: tuple, ws: list[np.ndarray], fmts: list[str], gram: np.ndarray,
+                  alphas: tuple[float, ...]) -> tuple[float, float, float]:
+    """(α, loss without scaling, loss with it): the α of least output error (0: none helps)."""
+    base_loss = sum(_loss(w, fmt, np.ones(w.shape[1]), gram) for w, fmt in zip(ws, fmts))
+    best = (base_loss, 0.0)
+    for alpha in alphas:
+        if alpha == 0.0:
+            continue
+        s = _scale(a, alpha)
+        s_in = _expand_kv(s, fold[1]) if fold[0] == "attention" else s
+        loss = sum(_loss(w, fmt, s_in, gram) for w, fmt in zip(ws, fmts))
+        if loss < best[0]:
+            best = (loss, alpha)
+    return best[1], float(base_loss), float(best[0])
 
 
 def _loss(w: np.ndarray, fmt: str, s: np.ndarray, gram: np.ndarray) -> float:

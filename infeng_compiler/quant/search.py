@@ -16,6 +16,8 @@ the same ratio on both sides; fp8 shrinks |max|/448.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .formats import QuantFormat, QuantizedTensor, e4m3_decode, e4m3_encode, get_format
@@ -23,13 +25,21 @@ from .formats import QuantFormat, QuantizedTensor, e4m3_decode, e4m3_encode, get
 #: Clip ratios tried by the search (1.0 = plain round-to-nearest of the full range).
 CLIP_RATIOS = tuple(float(r) for r in np.round(np.linspace(1.0, 0.5, 21), 3))
 
+#: The symmetric integer search's choice done elsewhere (``codegen/clip_search.py``, in C):
+#: (weights [N, ng, G] f32, candidate scales [C, N, ng] f32, error weights [ng, G] f64 or None,
+#: qmin, qmax) -> index [N, ng] of each group's first least-error candidate.
+SymmetricChoice = Callable[[np.ndarray, np.ndarray, "np.ndarray | None", int, int], np.ndarray]
+
 
 def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
-             gram: np.ndarray | None = None, ratios: tuple[float, ...] = CLIP_RATIOS) -> QuantizedTensor:
+             gram: np.ndarray | None = None, ratios: tuple[float, ...] = CLIP_RATIOS,
+             symmetric_choice: SymmetricChoice | None = None) -> QuantizedTensor:
     """Quantize ``w`` [N, K] (float32) to ``fmt``.
 
     ``search`` False: one candidate, the full range (round-to-nearest). ``gram``: ``XᵀX`` [K, K]
     of the calibration activations (or its diagonal [K]); the search then minimises output error.
+    ``symmetric_choice``: picks among the candidates of a symmetric integer format (weighted by
+    nothing or by the Gram's diagonal) instead of numpy; the same arithmetic, faster.
     """
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     w = np.asarray(w, dtype=np.float32)
@@ -44,6 +54,13 @@ def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
     wg = wp.reshape(N, ng, G)
     weight = _error_weights(gram, K, kp, G, ng, fmt)
     ratios = ratios if search else (1.0,)
+
+    if (symmetric_choice is not None and fmt.kind == "int" and not fmt.asym and not fmt.mins
+            and (weight is None or weight.ndim == 2) and len(ratios) > 1):
+        scales = np.stack(_symmetric_scales(wg, fmt, ratios))                  # [C, N, ng] storage dtype
+        best = symmetric_choice(wg, scales.astype(np.float32), weight, fmt.qmin, fmt.qmax)
+        best_scales = np.take_along_axis(scales, best[None], axis=0)[0]
+        return _packed(fmt, N, K, G, _round(wg, fmt, best_scales, None), best_scales, None, None)
 
     errors, choices = [], []
     d = np.empty_like(wg)                                        # one buffer for every candidate
@@ -64,7 +81,13 @@ def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
     best_zeros = pick([c[1] for c in choices]).astype(np.uint8) if fmt.asym else None
     best_mins = pick([c[1] for c in choices]).astype(np.float16) if fmt.mins else None
     best_codes = _round(wg, fmt, best_scales, best_zeros if fmt.asym else best_mins)
-    codes = best_codes.reshape(N, kp)
+    return _packed(fmt, N, K, G, best_codes, best_scales, best_zeros, best_mins)
+
+
+def _packed(fmt: QuantFormat, N: int, K: int, G: int, best_codes: np.ndarray, best_scales: np.ndarray,
+            best_zeros: np.ndarray | None, best_mins: np.ndarray | None) -> QuantizedTensor:
+    """The chosen codes [N, ng, G] as a tensor [N, K], its padding columns filled."""
+    codes = best_codes.reshape(N, -1)
     if fmt.kind == "int" and not fmt.mins:                      # padding columns hold the zero point
         pad_zero = fmt.zero if not fmt.asym else np.repeat(best_zeros, G, axis=1)[:, K:]
         codes[:, K:] = pad_zero
@@ -138,19 +161,24 @@ def _candidates(wg: np.ndarray, fmt: QuantFormat, ratios: tuple[float, ...]):
             u = np.clip(np.rint(wg / safe[..., None]) + z[..., None], 0, fmt.umax)
             yield s, z.astype(np.uint8), ((u - z[..., None]) * sf[..., None]).astype(np.float32)
         return
+    q = np.empty_like(wg)                                    # reused: the caller is done with it on resuming
+    for s in _symmetric_scales(wg, fmt, ratios):
+        sf = s.astype(np.float32)
+        safe = np.where(sf == 0, np.float32(1), sf)
+        np.divide(wg, safe[..., None], out=q)
+        np.rint(q, out=q)
+        np.clip(q, fmt.qmin, fmt.qmax, out=q)
+        q *= sf[..., None]                               # a zero scale gives zeros
+        yield s, None, q
+
+
+def _symmetric_scales(wg: np.ndarray, fmt: QuantFormat, ratios: tuple[float, ...]) -> list[np.ndarray]:
+    """The candidate scales [N, ng] (storage dtype) of a symmetric integer format, in search order:
+    per base (int4: the extreme at code -8 first, then |max| at +7), every ratio."""
+    amax = np.abs(wg).max(axis=2)
     bases = [amax / np.float32(fmt.qmax)]
     if fmt.bits == 4:
         idx = np.abs(wg).argmax(axis=2)[..., None]
         extreme = np.take_along_axis(wg, idx, axis=2)[..., 0]
         bases.insert(0, -extreme / np.float32(-fmt.qmin))           # the extreme maps to code -8
-    q = np.empty_like(wg)                                    # reused: the caller is done with it on resuming
-    for base in bases:
-        for r in ratios:
-            s = _to_scale(base * np.float32(r), fmt)
-            sf = s.astype(np.float32)
-            safe = np.where(sf == 0, np.float32(1), sf)
-            np.divide(wg, safe[..., None], out=q)
-            np.rint(q, out=q)
-            np.clip(q, fmt.qmin, fmt.qmax, out=q)
-            q *= sf[..., None]                               # a zero scale gives zeros
-            yield s, None, q
+    return [_to_scale(base * np.float32(r), fmt) for base in bases for r in ratios]

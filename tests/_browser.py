@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+
 def chromium_path() -> str | None:
     for name in ("chromium", "chromium-browser"):
         found = shutil.which(name)
@@ -19,28 +20,25 @@ def chromium_path() -> str | None:
     return None
 
 
-#: The one Playwright driver and browser of the run: each test module imports the fixtures, which
-#: makes one session fixture per module; they share this (two sync drivers cannot run at once).
-_shared: dict[str, object] = {}
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
+    """One Playwright driver and browser per test module, stopped at the module's end: the sync
+    driver keeps an asyncio loop running on the main thread, where a later test's asyncio.run
+    (the CLI's run-batch, say) would fail, and two sync drivers cannot run at once."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install "
                                                                  "'.[test]')")
     executable = chromium_path()
     if executable is None:
         pytest.skip("no chromium on PATH (Debian: apt-get install chromium; .ci/run installs it)")
-    if "browser" in _shared:
-        yield _shared["browser"]
-        return
     playwright = sync_api.sync_playwright().start()
-    _shared["browser"] = playwright.chromium.launch(executable_path=executable, headless=True,
-                                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
     try:
-        yield _shared["browser"]
+        browser = playwright.chromium.launch(executable_path=executable, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            yield browser
+        finally:
+            browser.close()
     finally:
-        _shared.pop("browser").close()
         playwright.stop()
 
 

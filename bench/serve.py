@@ -233,7 +233,7 @@ class _StubEngine:
     def __init__(self, artifact: Path, max_seqs: int, max_context: int):
         from infeng_runtime.adapters import AdapterManager
         from infeng_runtime.kv_cache import BlockAllocator
-        from infeng_runtime.tokenizer import Tokenizer
+        from infeng_common.tokenizer import Tokenizer
 
         self.path = artifact
         self.manifest = json.loads((artifact / "manifest.json").read_text())

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infeng_common.tokenizer import StreamDecoder, Tokenizer
+
 from .scheduler import SeqOutput
-from .tokenizer import StreamDecoder, Tokenizer
 
 
 @dataclass

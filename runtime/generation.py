@@ -13,11 +13,11 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from infeng_common.errors import InfengError
+from infeng_common.tokenizer import Tokenizer
 
 from .detokenize import ChoiceText
 from .sampling import SamplingParams, sample
 from .scheduler import NON_FINITE, SeqOutput
-from .tokenizer import Tokenizer
 
 
 class StepBackend(Protocol):

@@ -31,13 +31,29 @@ from infeng_common.errors import InfengError
 from .scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput
 from .speculative import SpeculativeConfig, Speculator
 
-__all__ = ["EngineLoop", "EngineStopped", "LoopStats", "QueueFull", "RequestError"]
+__all__ = ["EngineLimits", "EngineLoop", "EngineStopped", "LoopStats", "QueueFull", "RequestError"]
 
 _log = logging.getLogger("infeng.engine")
 
 
 class EngineStopped(InfengError):
     """The engine loop has failed or is stopping: no request is accepted any more."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a request may ask of this loop, fixed at start: the context of one sequence, the
+    sequences the admission queue holds, the sequences running at once, the KV pool's blocks."""
+
+    max_context: int
+    max_waiting: int
+    max_seqs: int
+    kv_blocks: int
+    block_size: int
+
+    def room(self, prompt_tokens: int) -> int:
+        """The most tokens a sequence with this prompt can generate (at least one)."""
+        return max(1, min(self.max_context, self.kv_blocks * self.block_size) - prompt_tokens)
 
 
 @dataclass
@@ -108,6 +124,20 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     # -- requests ---------------------------------------------------------------------------
+    @property
+    def limits(self) -> EngineLimits:
+        sched, kv = self.scheduler, self.scheduler.kv
+        return EngineLimits(sched.max_context, sched.max_waiting, kv.max_seqs, kv.n_blocks, kv.block_size)
+
+    def check(self, request: Request) -> None:
+        """Raise RequestError if ``request`` could never run here (context, adapter, sizes)."""
+        self.scheduler.check(request)
+
+    def request_ids(self) -> list[str]:
+        """The requests in flight (queued or running)."""
+        with self.lock:
+            return list(self.scheduler.requests)
+
     def submit(self, request: Request) -> None:
         """Queue a request; raises RequestError (bad request, unknown adapter), QueueFull or
         EngineStopped."""

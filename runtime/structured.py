@@ -33,16 +33,14 @@ from typing import Any
 
 import numpy as np
 
+from infeng_common.tokenizer import Tokenizer
+
 from .grammar_limits import GrammarError, GrammarLimits, check_spec, parser_limits
-from .grammar_worker import WORKER_STACK_BYTES, GrammarWorkers
-from .tokenizer import Tokenizer
+from .grammar_worker import WORKER_STACK_BYTES, GrammarWorkers, llguidance_grammar
 
 #: What a disallowed token's logit becomes: finite, so the finiteness checks still see NaN/Inf in
 #: the model's own logits, and exp() of it is 0 at any temperature.
 MASKED_LOGIT = float(np.finfo(np.float32).min)
-#: JSON as a strict OpenAI schema prints it: no free whitespace (a small model given free
-#: whitespace can pad a document with newlines until max_tokens).
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 #: The stack of the thread that builds a matcher in the server process: explicit, not whatever the
 #: platform gives a thread by default, and four times the stack the worker process proved the
@@ -67,10 +65,6 @@ class GrammarSpec:
         return json.dumps([self.kind, self.value], sort_keys=True)
 
 
-def _lark_string(text: str) -> str:
-    return json.dumps(text)               # Lark string literals take JSON's escapes
-
-
 def tool_call_grammar(tools: list[dict[str, Any]], name: str | None) -> GrammarSpec:
     """``tool_choice`` as a grammar: a named function's arguments (its parameters schema), or, for
     ``required``, a JSON array of one or more ``{"name", "parameters"}`` calls of the given tools
@@ -89,35 +83,6 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None) -> GrammarS
 
     # a call's parameters sit 5 levels down: {items: {anyOf: [{properties: {parameters: ...}}]}}
     return GrammarSpec("json", calls(params), "tool_choice", wrapper_depth=5)
-
-
-def llguidance_grammar(kind: str, value: Any, param: str) -> str:
-    """The llguidance grammar of one constraint (not yet checked against a tokenizer); GrammarError
-    for a value of the wrong shape. Runs in the grammar worker processes (grammar_worker.py)."""
-    import llguidance
-
-    if kind == "json":
-        if not isinstance(value, (dict, bool)):
-            raise GrammarError("a JSON schema must be a JSON object", param)
-        return llguidance.LLMatcher.grammar_from_json_schema(value if value is not True else {}, defaults=JSON_OPTIONS)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-    if kind == "regex":
-        if not isinstance(value, str):
-            raise GrammarError("a regex must be a string", param)
-        return llguidance.LLMatcher.grammar_from_regex(value)
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise GrammarError("choice must be a non-empty list of strings", param)
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in value))
-    if kind == "grammar":
-        if not isinstance(value, str) or not value.strip():
-            raise GrammarError("a grammar must be a non-empty string (Lark, or GBNF/EBNF with ::=)", param)
-        from llguidance.gbnf_to_lark import any_to_lark
-
-        # GBNF (llama.cpp) / EBNF (xgrammar's dialect, with ::=) becomes Lark; Lark stays
-        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(value))
-    raise GrammarError(f"unknown constraint {kind!r}", param)
 
 
 #: Refusals that another try may not repeat (the compile ran out of time on a busy machine, or found

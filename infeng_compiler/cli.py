@@ -328,7 +328,7 @@ def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0,
     """(step backend, tokenizer): a compiled Engine for an artifact, else the interpreter
     (over the graph after ``quantize``, a ``quantize`` pipeline entry, when given)."""
     from infeng_common.manifest import is_artifact
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_common.tokenizer import Tokenizer
 
     from .frontends import import_model, model_source
     from .interp import Interpreter

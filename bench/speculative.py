@@ -212,7 +212,8 @@ def replay(prompt: list[int], output: list[int], cost, max_draft: int, hindsight
     only the drafts that were accepted."""
     from types import SimpleNamespace
 
-    from infeng_runtime.speculative import SpeculativeConfig, Speculator, accept_greedy
+    from infeng_runtime.sampling import accept_greedy
+    from infeng_runtime.speculative import SpeculativeConfig, Speculator
 
     config = SpeculativeConfig("ngram", max_draft=max_draft, adaptive=not hindsight)
     spec = Speculator(config, engine=None, cost=None if hindsight else cost)

@@ -117,31 +117,6 @@ def _draft_length(text: str) -> int:
         raise SpeculativeError(f"draft length {text!r} is not a number") from None
 
 
-# -- acceptance -------------------------------------------------------------------------------
-def accept_greedy(targets: Seq[int], draft: Seq[int]) -> int:
-    """How many drafts the target's argmax tokens (``len(draft) + 1`` of them) accept."""
-    a = 0
-    for t, d in zip(targets, draft):
-        if t != d:
-            break
-        a += 1
-    return a
-
-
-def accept_sampled(p: np.ndarray, draft_token: int, rng: np.random.Generator) -> int:
-    """The rejection rule for a deterministic draft: ``draft_token`` with probability ``p[d]``,
-    otherwise a token drawn from ``p`` without ``d`` (renormalized). The result is distributed as
-    ``p``: P(d) = p(d), and P(x != d) = (1 - p(d)) * p(x) / (1 - p(d))."""
-    if rng.random() < p[draft_token]:
-        return int(draft_token)
-    rest = p.copy()
-    rest[draft_token] = 0.0
-    total = rest.sum()
-    if not total > 0:           # p(d) = 1 up to rounding: nothing else can be drawn
-        return int(draft_token)
-    return int(rng.choice(rest.size, p=rest / total))
-
-
 # -- per-sequence state -----------------------------------------------------------------------
 class SpecState:
     """What the speculator keeps for one sequence."""

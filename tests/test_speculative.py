@@ -23,11 +23,11 @@ import pytest
 
 from _serving import STORIES, AloneReference, adapters, infeng_command, metric, running_server, served_artifact
 from infeng_runtime.kv_cache import BlockAllocator
-from infeng_runtime.sampling import SamplingParams, distribution
+from infeng_runtime.sampling import SamplingParams, accept_greedy, accept_sampled, distribution
 from infeng_runtime.scheduler import NON_FINITE, Request, Scheduler
 from infeng_runtime.speculative import (COST_OBSERVE_RATE, MATCH_CLASSES, SOURCE_TABLE, CostModel, NgramDrafter,
-                                        SpecState, SpeculativeConfig, SpeculativeError, Speculator, accept_greedy,
-                                        accept_sampled, choose_lengths, parse_speculative)
+                                        SpecState, SpeculativeConfig, SpeculativeError, Speculator, choose_lengths,
+                                        parse_speculative)
 
 V = 6
 

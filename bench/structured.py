@@ -29,7 +29,7 @@ from infeng_runtime.engine import Engine
 from infeng_runtime.loop import EngineLoop
 from infeng_runtime.sampling import SamplingParams
 from infeng_runtime.scheduler import Request
-from infeng_runtime.speculative import parse_speculative
+from infeng_runtime.spec import parse_speculative
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},

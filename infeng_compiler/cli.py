@@ -659,7 +659,7 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
     from infeng_runtime.chat import chat_prompt_ids, template_source
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
-    from infeng_runtime.speculative import parse_speculative
+    from infeng_runtime.spec import parse_speculative
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
@@ -822,7 +822,7 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                            shutdown_timeout=shutdown_timeout, always_include_usage=always_include_usage,
                            grammar_timeout=grammar_timeout, grammar_mask_timeout=grammar_mask_timeout,
                            max_grammar_bytes=parse_size(max_grammar_bytes, "--max-grammar-bytes"))
-    from infeng_runtime.speculative import parse_speculative
+    from infeng_runtime.spec import parse_speculative
 
     options.speculative = parse_speculative(speculative)
     options.check()
@@ -927,7 +927,7 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
         max_adapters = max(4, len(adapter)) if adapter else 0
     artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
                                  quant_policy, calib, calib_max_bytes, kv, kv_window, act_precision)
-    from infeng_runtime.speculative import parse_speculative
+    from infeng_runtime.spec import parse_speculative
 
     options = ServeOptions(host=host, port=port, threads=threads_per_replica, max_seqs=max_seqs,
                            max_context=max_context, max_waiting=max_queue, served_model_name=served_model_name,

@@ -29,7 +29,7 @@ from .engine import DEFAULT_MAX_SEQS, Engine
 from .loop import EngineLoop
 from .sampling import SamplingParams
 from .scheduler import Request, SeqOutput
-from .speculative import SpeculativeConfig, parse_speculative
+from .spec import SpeculativeConfig, parse_speculative
 
 
 @dataclass

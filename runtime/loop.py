@@ -29,7 +29,7 @@ from typing import Any, Callable
 from infeng_common.errors import InfengError
 
 from .scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput
-from .speculative import SpeculativeConfig, Speculator
+from .spec import SpeculativeConfig, Speculator
 
 __all__ = ["EngineLimits", "EngineLoop", "EngineStopped", "LoopStats", "QueueFull", "RequestError"]
 

@@ -41,7 +41,7 @@ from .kv_cache import BlockAllocator, block_hashes
 from .request import QueueFull, Request, RequestError, SeqOutput
 from .sampling import accept_draft, draw_rows, token_logprobs
 from .sequence import FINISHED, NO_DRAFT, RUNNING, WAITING, SchedulerStats, Sequence, StepPlan
-from .speculative import Speculator
+from .spec import Speculator
 from .structured import advance, apply_masks, mask_verdicts, mask_wait
 
 NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this sequence"

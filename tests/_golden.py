@@ -245,7 +245,7 @@ def _served(artifacts: dict[str, Path], adapter_dirs: dict[str, Path], variant: 
     from fastapi.testclient import TestClient
 
     from infeng_runtime.server import ServeOptions, build_server
-    from infeng_runtime.speculative import parse_speculative
+    from infeng_runtime.spec import parse_speculative
 
     settings = _VARIANTS[variant]
     nonfinite = settings.get("nonfinite", False)

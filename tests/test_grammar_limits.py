@@ -354,7 +354,7 @@ def _run(artifact, slow: dict[str, float], mask_seconds: float, speculative: str
     from infeng_runtime.scheduler import Request
     from infeng_runtime.structured import Constraint, GrammarCompiler, GrammarSpec
 
-    from infeng_runtime.speculative import parse_speculative
+    from infeng_runtime.spec import parse_speculative
 
     llm = LLM(artifact, threads=1, max_seqs=8, speculative=parse_speculative(speculative))
     grammars = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size, GrammarLimits(mask_seconds=mask_seconds))

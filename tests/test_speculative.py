@@ -25,7 +25,7 @@ from _serving import STORIES, AloneReference, adapters, infeng_command, metric, 
 from infeng_runtime.kv_cache import BlockAllocator
 from infeng_runtime.sampling import SamplingParams, accept_greedy, accept_sampled, distribution
 from infeng_runtime.scheduler import NON_FINITE, Request, Scheduler
-from infeng_runtime.speculative import (COST_OBSERVE_RATE, MATCH_CLASSES, SOURCE_TABLE, CostModel, NgramDrafter,
+from infeng_runtime.spec import (COST_OBSERVE_RATE, MATCH_CLASSES, SOURCE_TABLE, CostModel, NgramDrafter,
                                         SpecState, SpeculativeConfig, SpeculativeError, Speculator, choose_lengths,
                                         parse_speculative)
 

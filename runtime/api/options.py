@@ -10,7 +10,7 @@ from infeng_common.errors import InfengError
 from ..grammar_limits import GrammarLimits
 from ..http_guard import AdapterRoots
 from ..request_log import LOG_FORMATS, LOG_LEVELS
-from ..speculative import SpeculativeConfig
+from ..spec import SpeculativeConfig
 
 __all__ = ["ServeOptions"]
 

@@ -16,9 +16,6 @@ PACKAGES = {"infeng_common": REPO / "common", "infeng_compiler": REPO / "infeng_
             "infeng_runtime": REPO / "runtime"}
 #: The most lines a runtime module may have (the serving layer's modules are one idea each).
 MAX_RUNTIME_LINES = 520
-#: Modules still over the bound, each to be split by concern (issue 28: ray_serve by router,
-#: replica and app builder).
-NOT_YET_SPLIT = {"runtime/ray_serve.py"}
 
 
 @cache
@@ -94,12 +91,7 @@ def test_layers_point_one_way():
             and b.startswith("infeng_runtime")] == []
 
 
-RUNTIME_MODULES = [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="to be split"))
-                   if str(p.relative_to(REPO)) in NOT_YET_SPLIT else p
-                   for p in sorted((REPO / "runtime").rglob("*.py"))]
-
-
-@pytest.mark.parametrize("path", RUNTIME_MODULES, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("path", sorted((REPO / "runtime").rglob("*.py")), ids=lambda p: str(p.relative_to(REPO)))
 def test_runtime_modules_are_small(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_RUNTIME_LINES, f"{path.relative_to(REPO)} has {lines} lines (at most ~500: split it by concern)"

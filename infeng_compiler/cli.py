@@ -437,21 +437,17 @@ def generate_command(model: Path = typer.Argument(..., help="model directory or 
                      as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
                      tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer dir (ONNX)")):
     """Continue PROMPT with the reference interpreter (slow, exact)."""
+    from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
+
+    from .interp_engine import InterpreterEngine
 
     runner, tokenizer = _load_runner(model, Backend.interp, tokenizer_dir=tokenizer_dir)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
-    _print_generation(runner, tokenizer, prompt, params, as_json, "interpreter")
-
-
-def _print_generation(runner, tokenizer, prompt: str, params, as_json: bool, label: str) -> None:
-    """The interpreter's continuation of ``prompt``, streamed (see ``_print_stream``)."""
-    from infeng_runtime.generation import Generation, stream
-
-    result = Generation()
-    _print_stream(prompt, stream(runner, tokenizer, tokenizer.encode(prompt), params, result=result),
-                  lambda: result, as_json, label)
+    llm = LLM.over(InterpreterEngine(runner, tokenizer), prefix_cache=False)    # the engine loop, as infeng run
+    stream = llm.stream(prompt, params)
+    _print_stream(prompt, stream, lambda: stream.completion, as_json, "interpreter", source=model)
 
 
 def _print_stream(prompt: str, pieces, result, as_json: bool, label: str,

@@ -13,27 +13,17 @@ from ..detokenize import ChoiceText
 from ..sampling import SamplingParams
 from ..structured import tool_call_grammar
 from ..tools import ToolCall, ToolStream, parse_forced, parse_tool_calls
-from .bodies import TOOL_CHOICES, ChatBody, check_unsupported, grammar_spec, parse_body, sampling_params
-from .core import RequestCore, include_usage, record_for, sse
+from .bodies import TOOL_CHOICES, ChatBody, check_unsupported, grammar_spec, sampling_params
+from .core import RequestCore, post_route, sse
 from .prompts import prompt_ids, template_args
 
 
 def router(core: RequestCore) -> APIRouter:
-    routes = APIRouter()
-
-    @routes.post("/v1/chat/completions")
-    async def chat_completions(http: HTTPRequest):
-        return await create(core, http)
-
-    return routes
+    return post_route(core, "/v1/chat/completions", create)
 
 
 async def create(core: RequestCore, http: HTTPRequest):
-    record = record_for(http)
-    core.admitting()
-    body: ChatBody = parse_body(ChatBody, await http.body())
-    record.model = body.model
-    adapter = record.adapter = core.adapter_of(body.model)
+    record, body, adapter = await core.begin(http, ChatBody)
     core.check_sequences(body.n)
     check_unsupported(body)
     ids, params, grammars, mode, named = await prepare(core, body)
@@ -76,11 +66,8 @@ async def create(core: RequestCore, http: HTTPRequest):
                         reason = "tool_calls"
                     yield sse({**base, "choices": [{"index": c, "delta": {}, "logprobs": None,
                                                     "finish_reason": reason}]})
-            if include_usage(core.options, body.stream_options):
-                yield sse({**base, "choices": [], "usage": core.usage(pending, texts)})
-            yield "data: [DONE]\n\n"
 
-        return core.streaming(chunks(), pending, texts, record)
+        return core.streaming(chunks(), pending, texts, record, closing=(base, body.stream_options))
     left = await core.finished(pending, texts, http, record)
     if left is not None:
         return left

@@ -8,29 +8,19 @@ from fastapi import APIRouter, Request as HTTPRequest
 
 from ..api_errors import APIError
 from ..detokenize import ChoiceText
-from .bodies import CompletionBody, check_unsupported, grammar_spec, parse_body, sampling_params
-from .core import RequestCore, include_usage, record_for, sse
+from .bodies import CompletionBody, check_unsupported, grammar_spec, sampling_params
+from .core import RequestCore, post_route, sse
 
 #: max_tokens when a completion request gives none (OpenAI's default).
 DEFAULT_MAX_TOKENS = 16
 
 
 def router(core: RequestCore) -> APIRouter:
-    routes = APIRouter()
-
-    @routes.post("/v1/completions")
-    async def completions(http: HTTPRequest):
-        return await create(core, http)
-
-    return routes
+    return post_route(core, "/v1/completions", create)
 
 
 async def create(core: RequestCore, http: HTTPRequest):
-    record = record_for(http)
-    core.admitting()
-    body: CompletionBody = parse_body(CompletionBody, await http.body())
-    record.model = body.model
-    adapter = record.adapter = core.adapter_of(body.model)
+    record, body, adapter = await core.begin(http, CompletionBody)
     if body.echo:
         raise APIError(400, "echo is not supported", param="echo")
     if body.suffix:
@@ -62,11 +52,8 @@ async def create(core: RequestCore, http: HTTPRequest):
                 choice = {"index": c, "text": delta.text, "logprobs": logprobs(delta.logprobs),
                           "finish_reason": core.finish_reason(texts[c]) if delta.finish_reason else None}
                 yield sse({**base, "choices": [choice]})
-            if include_usage(core.options, body.stream_options):
-                yield sse({**base, "choices": [], "usage": core.usage(pending, texts)})
-            yield "data: [DONE]\n\n"
 
-        return core.streaming(chunks(), pending, texts, record)
+        return core.streaming(chunks(), pending, texts, record, closing=(base, body.stream_options))
     left = await core.finished(pending, texts, http, record)
     if left is not None:
         return left

@@ -19,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import Request as HTTPRequest
+from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 
 from infeng_common.errors import InfengError
 
@@ -35,6 +36,7 @@ from ..request_log import LOGGER, InFlight, RequestRecord, record_of
 from ..sampling import SamplingParams
 from ..scheduler import QueueFull, Request, RequestError
 from ..structured import CONSTRAINT_FAILED, GrammarCompiler, GrammarError, GrammarSpec
+from .bodies import parse_body
 from .options import ServeOptions
 from .sink import AsyncSink
 
@@ -79,6 +81,17 @@ def record_for(http: HTTPRequest) -> RequestRecord:
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def post_route(core: "RequestCore", path: str, handler: Callable[["RequestCore", HTTPRequest], Any]) -> APIRouter:
+    """A router of one POST endpoint: ``handler(core, request)``."""
+    routes = APIRouter()
+
+    async def endpoint(http: HTTPRequest):
+        return await handler(core, http)
+
+    routes.add_api_route(path, endpoint, methods=["POST"])
+    return routes
 
 
 def include_usage(options: ServeOptions, stream_options: dict[str, Any] | None) -> bool:
@@ -127,6 +140,16 @@ class RequestCore:
         self.text_waiting = 0                           # requests whose text work waits for a thread
         self.in_flight = InFlight()
         self.draining = False
+
+    async def begin(self, http: HTTPRequest, body_model: type[BaseModel]) -> tuple[RequestRecord, Any, str | None]:
+        """A generation request's start: its log record, the body parsed as ``body_model`` (503 first
+        if no work is admitted), and the adapter its ``model`` names (None: the base model)."""
+        record = record_for(http)
+        self.admitting()
+        body = parse_body(body_model, await http.body())
+        record.model = body.model
+        record.adapter = self.adapter_of(body.model)
+        return record, body, record.adapter
 
     # -- models -------------------------------------------------------------------------------
     def models(self) -> list[dict[str, Any]]:
@@ -415,11 +438,21 @@ class RequestCore:
                     errors_sent.add(event)
                     yield event
 
-    def streaming(self, chunks: AsyncIterator[str], pending: Pending, texts: list[ChoiceText],
-                  record: RequestRecord) -> StreamingResponse:
-        """The SSE response of ``chunks`` (``guarded``)."""
-        return StreamingResponse(self.guarded(chunks, pending, texts, record), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+    def streaming(self, chunks: AsyncIterator[str], pending: Pending, texts: list[ChoiceText], record: RequestRecord,
+                  closing: tuple[dict[str, Any], dict[str, Any] | None] | None = None) -> StreamingResponse:
+        """The SSE response of ``chunks`` (``guarded``). ``closing``: (the chunks' common fields, the
+        request's ``stream_options``) of a chat or completion stream, which ends with a usage chunk
+        (when asked for) and ``[DONE]``."""
+        async def closed() -> AsyncIterator[str]:
+            async for chunk in chunks:
+                yield chunk
+            base, stream_options = closing
+            if include_usage(self.options, stream_options):
+                yield sse({**base, "choices": [], "usage": self.usage(pending, texts)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(self.guarded(chunks if closing is None else closed(), pending, texts, record),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def finished(self, pending: Pending, texts: list[ChoiceText], http: HTTPRequest,
                        record: RequestRecord) -> Response | None:

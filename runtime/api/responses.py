@@ -32,9 +32,9 @@ from ..api_errors import APIError
 from ..detokenize import ChoiceText
 from ..sampling import SEED_BOUND
 from ..tools import ToolCall, ToolStream
-from .bodies import MAX_TOOLS, PRIORITY_BOUND, ChatBody, parse_body, validated
+from .bodies import MAX_TOOLS, PRIORITY_BOUND, ChatBody, validated
 from .chat import assistant_message, prepare
-from .core import RequestCore, record_for
+from .core import RequestCore, post_route
 
 #: Input part types that carry text (``output_text``: an assistant turn given back as input).
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -281,14 +281,8 @@ class _EventWriter:
 
 
 def router(core: RequestCore) -> APIRouter:
-    routes = APIRouter()
     responses_api = ResponsesAPI(core)
-
-    @routes.post("/v1/responses")
-    async def responses(http: HTTPRequest):
-        return await responses_api.create(http)
-
-    return routes
+    return post_route(core, "/v1/responses", lambda _, http: responses_api.create(http))
 
 
 class ResponsesAPI:
@@ -337,11 +331,7 @@ class ResponsesAPI:
 
     async def create(self, http: HTTPRequest):
         core = self.core
-        record = record_for(http)
-        core.admitting()
-        body: ResponsesBody = parse_body(ResponsesBody, await http.body())
-        record.model = body.model
-        adapter = record.adapter = core.adapter_of(body.model)
+        record, body, adapter = await core.begin(http, ResponsesBody)
         _check_unsupported(body)
         chat = self._chat_body(body)
         ids, params, grammars, mode, named = await prepare(core, chat)

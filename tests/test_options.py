@@ -1,6 +1,7 @@
 """Options declared once (``infeng_common.options``): every ``ServeOptions`` field carries its flag,
 help and range; ``check`` holds values to the ranges with one line naming the flag; and ``infeng
-serve`` offers each of those flags with the same help (until the CLI is generated from them)."""
+serve`` (``serve-ray`` for ``RayServeConfig``'s own fields) offers each of those flags with the same
+help (until the CLI is generated from them)."""
 from __future__ import annotations
 
 from dataclasses import fields
@@ -38,3 +39,12 @@ def test_serve_command_offers_the_declared_flags_and_help():
         assert params[spec.flag].help == spec.help, spec.flag
         if spec.env:
             assert params[spec.flag].envvar == spec.env
+
+
+def test_serve_ray_command_offers_the_declared_flags_and_help():
+    pytest.importorskip("ray")
+    from infeng_runtime.ray_serve import RayServeConfig
+
+    params = {opt: p for p in typer.main.get_command(app).commands["serve-ray"].params for opt in p.opts}
+    for name, spec in flags(RayServeConfig):
+        assert params[spec.flag].help == spec.help, spec.flag

@@ -9,6 +9,7 @@ from typing import Any
 
 from infeng_common.errors import InfengError
 from infeng_common.manifest import read_manifest
+from infeng_common.options import option
 
 from ..api_errors import APIError
 from ..server import ServeOptions
@@ -24,14 +25,20 @@ class RayServeConfig:
 
     artifact: Path
     options: ServeOptions = field(default_factory=ServeOptions)   # per replica; adapters are placed by Ray
-    replicas: int = 1                                # fixed, or the initial count with min/max
-    min_replicas: int | None = None
-    max_replicas: int | None = None
-    target_ongoing_requests: float | None = None    # autoscaling target per replica (default: max_seqs)
+    replicas: int = option(1, flag="--replicas", low=1, help="engine replicas (the initial count when autoscaling)")
+    min_replicas: int | None = option(None, flag="--min-replicas", low=0, help="autoscale down to this many replicas")
+    max_replicas: int | None = option(None, flag="--max-replicas", low=1, help="autoscale up to this many replicas")
+    target_ongoing_requests: float | None = option(None, flag="--target-ongoing-requests",
+                                                   help="autoscaling target of requests in flight per replica "
+                                                        "(default: --max-seqs)")
     autoscaling_options: dict[str, Any] = field(default_factory=dict)   # more of Ray's autoscaling_config
-    threads_per_replica: int = 1                     # the replica's num_cpus, and its engine's threads
-    adapters_per_replica: int | None = None          # resident adapters per replica (default: the artifact's slots)
-    router_replicas: int = 1                         # e.g. one per node: Ray's proxies prefer a router on their node
+    threads_per_replica: int = option(1, flag="--threads-per-replica", low=1,
+                                      help="CPUs Ray reserves per replica = its threads")
+    adapters_per_replica: int | None = option(None, flag="--adapters-per-replica", low=1,
+                                              help="adapters resident per replica, least recently used evicted "
+                                                   "(default: the artifact's slots)")
+    router_replicas: int = option(1, flag="--router-replicas", low=1,
+                                  help="replicas of the router (the HTTP ingress; e.g. one per node)")
     app_name: str = "infeng"
 
     def check(self) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 from infeng_common.errors import InfengError
 
 from .scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput
+from .sequence import WAITING
 from .spec import SpeculativeConfig, Speculator
 
 __all__ = ["EngineLimits", "EngineLoop", "EngineStopped", "LoopStats", "QueueFull", "RequestError"]
@@ -137,6 +138,14 @@ class EngineLoop:
         """The requests in flight (queued or running)."""
         with self.lock:
             return list(self.scheduler.requests)
+
+    def adapters_in_flight(self) -> tuple[list[str], list[str]]:
+        """The adapters of the running sequences and of the waiting ones."""
+        with self.lock:
+            sched = self.scheduler
+            running = {s.request.adapter for s in sched.running if s.request.adapter}
+            waiting = {s.request.adapter for _, _, s in sched.waiting if s.status == WAITING and s.request.adapter}
+        return sorted(running), sorted(waiting)
 
     def submit(self, request: Request) -> None:
         """Queue a request; raises RequestError (bad request, unknown adapter), QueueFull or

@@ -86,7 +86,7 @@ class EngineLoop:
         self.adapters = engine.adapters
         self.scheduler = Scheduler(engine.kv, list(eos), max_batched_tokens=max_batched_tokens or engine.max_tokens,
                                    max_waiting=max_waiting, max_context=engine.max_context, adapters=engine.adapters)
-        # speculative decoding (speculative.py): decodes draft and the step verifies; measured at load
+        # speculative decoding (spec/): decodes draft and the step verifies; measured at load
         self.speculator = Speculator(speculative, engine) if speculative is not None else None
         self.scheduler.speculator = self.speculator
         self.stats = LoopStats()

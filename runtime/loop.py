@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from infeng_common.errors import InfengError
 
+from .request import grouped
 from .scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput
 from .sequence import WAITING
 from .spec import SpeculativeConfig, Speculator
@@ -305,16 +306,7 @@ class EngineLoop:
         """Hand each sink its outputs, one call per sink."""
         if not outs:
             return
-        by_sink: dict[int, tuple[Callable, list[SeqOutput]]] = {}
-        for o in outs:
-            sink = o.request.sink
-            if sink is not None:
-                entry = by_sink.get(id(sink))
-                if entry is None:
-                    by_sink[id(sink)] = (sink, [o])
-                else:
-                    entry[1].append(o)
-        for sink, batch in by_sink.values():
+        for sink, batch in grouped(outs, lambda out: out.request.sink):
             sink(batch)
 
     # -- numbers ----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from infeng_common.errors import InfengError
 
@@ -58,3 +58,19 @@ class SeqOutput:
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
     cached_tokens: int = 0                  # prompt tokens served from the prefix cache (first output)
+
+
+def grouped(outs: list[SeqOutput], key: Callable[[SeqOutput], Any]) -> list[tuple[Any, list[SeqOutput]]]:
+    """``outs`` grouped by ``key(out)`` (the same object, not an equal one), in first-seen order;
+    outputs whose key is None are left out."""
+    groups: dict[int, tuple[Any, list[SeqOutput]]] = {}
+    for out in outs:
+        owner = key(out)
+        if owner is None:
+            continue
+        entry = groups.get(id(owner))
+        if entry is None:
+            groups[id(owner)] = (owner, [out])
+        else:
+            entry[1].append(out)
+    return list(groups.values())

@@ -9,7 +9,7 @@ import ctypes
 import os
 from typing import Callable
 
-from ..scheduler import SeqOutput
+from ..request import SeqOutput, grouped
 
 __all__ = ["AsyncSink"]
 
@@ -73,13 +73,5 @@ class AsyncSink:
 
     @staticmethod
     def _route(outs: list[SeqOutput]) -> None:
-        by_queue: dict[int, tuple[asyncio.Queue, list[SeqOutput]]] = {}
-        for o in outs:
-            q = o.request.context
-            entry = by_queue.get(id(q))
-            if entry is None:
-                by_queue[id(q)] = (q, [o])
-            else:
-                entry[1].append(o)
-        for q, batch in by_queue.values():
-            q.put_nowait(batch)
+        for queue, batch in grouped(outs, lambda out: out.request.context):
+            queue.put_nowait(batch)

@@ -51,3 +51,24 @@ def test_generate_runs_through_the_engine_loop(interpreter_engine):
     assert (stopped.text, stopped.finish_reason) == (", ", "stop")          # as tests/golden's llm-generate-1
     pieces = list(llm.stream("Once upon a time", SamplingParams(max_new_tokens=12)))
     assert "".join(pieces) == ", there was a little girl named Lily. She"
+
+
+def test_interpreter_serves_adapters_as_the_artifact(stories_dir, tmp_path):
+    """An adapter loaded into the interpreter's slots (the graph after ``lora-slots``) continues the
+    prompt as the compiled artifact's slot does: the golden transcript's text for model a1."""
+    from _serving import write_adapter
+
+    from infeng_compiler.passes.manager import PassContext, PassManager, parse_pipeline
+    from infeng_runtime.llm import LLM
+    from infeng_runtime.sampling import SamplingParams
+
+    graph = import_model(stories_dir, None, strict=True)
+    PassManager(parse_pipeline("lora-slots(4,8)")).run(graph, PassContext())
+    tokenizer = Tokenizer(stories_dir, graph.meta.get("bos_token_id"), graph.meta.get("eos_token_ids"))
+    llm = LLM.over(InterpreterEngine(Interpreter(graph), tokenizer, max_seqs=2, max_context=256), prefix_cache=False)
+    llm.loop.load_adapter("a1", write_adapter(tmp_path / "a1", seed=100)).result()
+    recorded = {t["name"]: t for t in json.loads(TRANSCRIPTS.read_text())}
+    expected = json.loads(recorded["cmpl-adapter"]["body"])["choices"][0]["text"]
+    with_adapter, base = llm.generate(["Once upon a time"] * 2, SamplingParams(max_new_tokens=12), adapter=["a1", None])
+    assert with_adapter.text == expected
+    assert base.text == json.loads(recorded["cmpl"]["body"])["choices"][0]["text"]

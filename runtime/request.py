@@ -41,7 +41,7 @@ class Request:
     logprobs: int | None = None             # None: none; k: the sampled token's and the top k
     sink: Callable[[list["SeqOutput"]], None] | None = None   # called on the engine thread
     context: object = None                  # whatever the consumer wants back with each output
-    grammar: object = None                  # structured.Constraint: one matcher per choice, or None
+    grammar: object = None                  # sampling.grammar.Constraint: a matcher per choice, or None
     client: str | None = None               # who asked (fair_share.py): ranks its sequences after its others
     arrival: float = field(default_factory=time.monotonic)
 

@@ -40,9 +40,9 @@ from .fair_share import AdmissionShare
 from .kv_cache import BlockAllocator, block_hashes
 from .request import QueueFull, Request, RequestError, SeqOutput
 from .sampling import accept_draft, draw_rows, token_logprobs
+from .sampling.grammar import advance, apply_masks, mask_verdicts, mask_wait
 from .sequence import FINISHED, NO_DRAFT, RUNNING, WAITING, SchedulerStats, Sequence, StepPlan
 from .spec import Speculator
-from .structured import advance, apply_masks, mask_verdicts, mask_wait
 
 NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this sequence"
 

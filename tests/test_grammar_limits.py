@@ -352,7 +352,8 @@ def _run(artifact, slow: dict[str, float], mask_seconds: float, speculative: str
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
     from infeng_runtime.scheduler import Request
-    from infeng_runtime.structured import Constraint, GrammarCompiler, GrammarSpec
+    from infeng_runtime.sampling.grammar import Constraint
+    from infeng_runtime.structured import GrammarCompiler, GrammarSpec
 
     from infeng_runtime.spec import parse_speculative
 
@@ -425,7 +426,8 @@ def test_overdue_mask_ends_its_sequence_alone(artifact):
 
 def test_n_matchers_fill_in_parallel():
     """The masks of one request's four choices are four jobs on four worker threads, not one."""
-    from infeng_runtime.structured import MASK_WORKERS, GrammarCompiler, GrammarSpec
+    from infeng_runtime.sampling.grammar import MASK_WORKERS
+    from infeng_runtime.structured import GrammarCompiler, GrammarSpec
     from infeng_common.tokenizer import Tokenizer
 
     c = GrammarCompiler(Tokenizer(STORIES), 512).constraint(GrammarSpec("regex", "[a-z]+"), 4)

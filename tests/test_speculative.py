@@ -521,7 +521,8 @@ def run_constrained(path, spec, params: SamplingParams, drafts: list | None = No
     """Every (prompt, grammar) of PROMPTS x GRAMMARS in one batch; the texts. ``drafts`` collects
     (drafted, allowed) of every draft checked against a grammar."""
     from infeng_runtime.llm import LLM
-    from infeng_runtime.structured import Constraint, GrammarCompiler, GrammarSpec
+    from infeng_runtime.sampling.grammar import Constraint
+    from infeng_runtime.structured import GrammarCompiler, GrammarSpec
 
     llm = LLM(path, threads=1, max_seqs=8, speculative=spec)
     grammars = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size)

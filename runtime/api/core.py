@@ -34,8 +34,9 @@ from ..loop import EngineLoop, EngineStopped
 from ..metrics import ServerMetrics
 from ..request_log import LOGGER, InFlight, RequestRecord, record_of
 from ..sampling import SamplingParams
+from ..sampling.grammar import CONSTRAINT_FAILED
 from ..scheduler import QueueFull, Request, RequestError
-from ..structured import CONSTRAINT_FAILED, GrammarCompiler, GrammarError, GrammarSpec
+from ..structured import GrammarCompiler, GrammarError, GrammarSpec
 from .bodies import parse_body
 from .options import ServeOptions
 from .sink import AsyncSink

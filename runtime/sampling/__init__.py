@@ -1,7 +1,8 @@
 """Choosing tokens from a step's logits, beside the scheduler (which decides what runs): the
 request's ``SamplingParams`` (params.py), draws with the greedy fast path (draw.py), logprob
-entries (logprobs.py), and greedy and sampled acceptance of drafted tokens (acceptance.py).
-Grammar masks are applied to the rows before any of them (structured.py)."""
+entries (logprobs.py), greedy and sampled acceptance of drafted tokens (acceptance.py), and the
+grammar matchers whose masks are applied to the rows before any of them (grammar.py; the grammars
+themselves are compiled by structured.py)."""
 from .acceptance import accept_draft, accept_greedy, accept_sampled
 from .draw import distribution, draw_rows, finite_at, sample
 from .logprobs import LOGPROB_FLOOR, token_logprobs

@@ -37,37 +37,35 @@ async def create(core: RequestCore, http: HTTPRequest):
     if body.stream:
         streams = [ToolStream(named, forced=mode == "required") if mode != "none" else None for _ in range(body.n)]
 
-        async def chunks():
-            for c in range(body.n):
-                yield sse({**base, "choices": [{"index": c, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
-            async for item in core.choice_deltas(pending, texts, record):
-                if isinstance(item, str):
-                    yield item
-                    continue
-                c, delta = item
-                lp = {"content": chat_logprobs(core, delta.logprobs)} if body.logprobs else None
-                stream = streams[c]
-                if stream is None:
-                    deltas = [{"content": delta.text}] if delta.text else []
-                else:
-                    events = stream.push(delta.text) if delta.text else []
-                    if delta.finish_reason:
-                        events += stream.finish()
-                    deltas = tool_deltas(stream, events, single_call)
-                if lp is not None and delta.logprobs and not deltas:
-                    deltas = [{}]
-                for d in deltas:
-                    yield sse({**base, "choices": [{"index": c, "delta": d, "logprobs": lp, "finish_reason": None}]})
-                    lp = None
+        def render(c: int, delta) -> list[str]:
+            lp = {"content": chat_logprobs(core, delta.logprobs)} if body.logprobs else None
+            stream = streams[c]
+            if stream is None:
+                deltas = [{"content": delta.text}] if delta.text else []
+            else:
+                events = stream.push(delta.text) if delta.text else []
                 if delta.finish_reason:
-                    reason = core.finish_reason(texts[c])
-                    if stream is not None and stream.calls and reason == "stop" and mode != "named":
-                        reason = "tool_calls"
-                    yield sse({**base, "choices": [{"index": c, "delta": {}, "logprobs": None,
-                                                    "finish_reason": reason}]})
+                    events += stream.finish()
+                deltas = tool_deltas(stream, events, single_call)
+            if lp is not None and delta.logprobs and not deltas:
+                deltas = [{}]
+            chunks = []
+            for d in deltas:
+                chunks.append(sse({**base, "choices": [{"index": c, "delta": d, "logprobs": lp,
+                                                        "finish_reason": None}]}))
+                lp = None
+            if delta.finish_reason:
+                reason = core.finish_reason(texts[c])
+                if stream is not None and stream.calls and reason == "stop" and mode != "named":
+                    reason = "tool_calls"
+                chunks.append(sse({**base, "choices": [{"index": c, "delta": {}, "logprobs": None,
+                                                        "finish_reason": reason}]}))
+            return chunks
 
-        return core.streaming(chunks(), pending, texts, record, closing=(base, body.stream_options))
+        opening = [sse({**base, "choices": [{"index": c, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]}) for c in range(body.n)]
+        return core.streaming(core.stream_chunks(pending, texts, record, render, opening), pending, texts, record,
+                              closing=(base, body.stream_options))
     left = await core.finished(pending, texts, http, record)
     if left is not None:
         return left

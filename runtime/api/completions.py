@@ -43,17 +43,13 @@ async def create(core: RequestCore, http: HTTPRequest):
         return completion_logprobs(core, entries, body.logprobs) if body.logprobs is not None else None
 
     if body.stream:
-        async def chunks():
-            async for item in core.choice_deltas(pending, texts, record):
-                if isinstance(item, str):
-                    yield item
-                    continue
-                c, delta = item
-                choice = {"index": c, "text": delta.text, "logprobs": logprobs(delta.logprobs),
-                          "finish_reason": core.finish_reason(texts[c]) if delta.finish_reason else None}
-                yield sse({**base, "choices": [choice]})
+        def render(c: int, delta) -> list[str]:
+            choice = {"index": c, "text": delta.text, "logprobs": logprobs(delta.logprobs),
+                      "finish_reason": core.finish_reason(texts[c]) if delta.finish_reason else None}
+            return [sse({**base, "choices": [choice]})]
 
-        return core.streaming(chunks(), pending, texts, record, closing=(base, body.stream_options))
+        return core.streaming(core.stream_chunks(pending, texts, record, render), pending, texts, record,
+                              closing=(base, body.stream_options))
     left = await core.finished(pending, texts, http, record)
     if left is not None:
         return left

@@ -368,13 +368,21 @@ class RequestCore:
                 self.abort_all(pending)
 
     async def guarded(self, chunks: AsyncIterator[str], pending: Pending, texts: list[ChoiceText],
-                      record: RequestRecord) -> AsyncIterator[str]:
-        """The SSE chunks; a client that goes away mid-stream has its request aborted at once, and
-        an unexpected error ends the stream with an error event and ``[DONE]``."""
+                      record: RequestRecord, closing: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+                      ) -> AsyncIterator[str]:
+        """The SSE chunks, then (``closing``: the chunks' common fields and the request's
+        ``stream_options``, for a chat or completion stream) a usage chunk when asked for and
+        ``[DONE]``. A client that goes away mid-stream has its request aborted at once, and an
+        unexpected error ends the stream with an error event and ``[DONE]``."""
         failed = False
         try:
             async for chunk in chunks:
                 yield chunk
+            if closing is not None:
+                base, stream_options = closing
+                if include_usage(self.options, stream_options):
+                    yield sse({**base, "choices": [], "usage": self.usage(pending, texts)})
+                yield "data: [DONE]\n\n"
         except Exception as e:
             failed = True
             record.error = f"{type(e).__name__}: {e}"
@@ -425,35 +433,30 @@ class RequestCore:
         record.error = failure.message
         return sse({"error": failure.body()["error"]})
 
-    async def choice_deltas(self, pending: Pending, texts: list[ChoiceText], record: RequestRecord
-                            ) -> AsyncIterator[tuple[int, Delta] | str]:
-        """A stream's ``(choice, delta)`` pairs as they arrive; a failed choice's error is an SSE
-        error event instead (once per distinct error, not once per choice)."""
+    async def stream_chunks(self, pending: Pending, texts: list[ChoiceText], record: RequestRecord,
+                            render: Callable[[int, Delta], list[str]], opening: list[str] | None = None
+                            ) -> AsyncIterator[str]:
+        """A chat or completion stream's chunks: ``opening``, then ``render(choice, delta)`` of each
+        delta as it arrives; a failed choice's error is an SSE error event instead (once per
+        distinct error, not once per choice)."""
+        for chunk in opening or ():
+            yield chunk
         errors_sent: set[str] = set()
         async for batch in self.events(pending, texts, None, record):
             for c, delta in batch:
                 event = self.error_event(delta, record)
                 if event is None:
-                    yield c, delta
+                    for chunk in render(c, delta):
+                        yield chunk
                 elif event not in errors_sent:
                     errors_sent.add(event)
                     yield event
 
     def streaming(self, chunks: AsyncIterator[str], pending: Pending, texts: list[ChoiceText], record: RequestRecord,
                   closing: tuple[dict[str, Any], dict[str, Any] | None] | None = None) -> StreamingResponse:
-        """The SSE response of ``chunks`` (``guarded``). ``closing``: (the chunks' common fields, the
-        request's ``stream_options``) of a chat or completion stream, which ends with a usage chunk
-        (when asked for) and ``[DONE]``."""
-        async def closed() -> AsyncIterator[str]:
-            async for chunk in chunks:
-                yield chunk
-            base, stream_options = closing
-            if include_usage(self.options, stream_options):
-                yield sse({**base, "choices": [], "usage": self.usage(pending, texts)})
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(self.guarded(chunks if closing is None else closed(), pending, texts, record),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        """The SSE response of ``chunks`` (``guarded``, with its ``closing``)."""
+        return StreamingResponse(self.guarded(chunks, pending, texts, record, closing), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     async def finished(self, pending: Pending, texts: list[ChoiceText], http: HTTPRequest,
                        record: RequestRecord) -> Response | None:

@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 TRANSCRIPTS = Path(__file__).resolve().parent / "golden" / "serving.json"
+#: The versions of the libraries whose output some transcripts carry, as recorded.
+VERSIONS = TRANSCRIPTS.with_name("versions.json")
+#: Request fields that make llguidance shape the output (grammar masks).
+GRAMMAR_FIELDS = ("guided_regex", "guided_choice", "guided_grammar", "guided_json", "structured_outputs",
+                  "response_format")
+#: Exchanges whose error message is pydantic's own wording.
+PYDANTIC_MESSAGES = ("missing-model", "bad-temperature", "empty-messages")
 BASE_URL = "http://127.0.0.1:8000"          # the Host header a loopback-bound server accepts
 
 #: Generated ids and clock readings -> fixed placeholders (the rest of a body is compared as is).
@@ -217,6 +224,21 @@ def exchanges(adapter_root: Path) -> list[dict[str, Any]]:
     return out
 
 
+def depends_on(ex: dict[str, Any]) -> list[str]:
+    """The libraries besides infeng whose behaviour an exchange's transcript records: llguidance
+    (grammar masks, tool-call grammars, its compile errors) and pydantic (its validation wording)."""
+    body = ex.get("body") or {}
+    grammar = any(body.get(k) is not None for k in GRAMMAR_FIELDS) or isinstance(body.get("tool_choice"), dict) \
+        or body.get("tool_choice") == "required" or "text" in body
+    return (["llguidance"] if grammar else []) + (["pydantic"] if ex["name"] in PYDANTIC_MESSAGES else [])
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("llguidance", "pydantic")}
+
+
 def normalise(text: str) -> str:
     for pattern, replacement in _NORMALISE:
         text = pattern.sub(replacement, text)
@@ -308,6 +330,7 @@ def main() -> None:
         recorded = transcripts(artifacts, adapters(root / "adapters"))
     TRANSCRIPTS.parent.mkdir(exist_ok=True)
     TRANSCRIPTS.write_text(json.dumps(recorded, indent=1, ensure_ascii=False) + "\n")
+    VERSIONS.write_text(json.dumps(library_versions(), indent=1) + "\n")
     print(f"{len(recorded)} transcripts -> {TRANSCRIPTS}")
 
 

@@ -19,8 +19,9 @@ def finite_at(logits: np.ndarray, rows: range | list[int], columns: list[int]) -
 def draw_rows(logits: np.ndarray, seqs: list, skip: set | tuple = (), mixed: bool = True
               ) -> list[tuple[int, bool] | None]:
     """``(token, finite)`` for row ``r`` of ``logits``, drawn for ``seqs[r]`` (a scheduler
-    ``Sequence``: ``greedy``, ``rng``, ``request.params``; None for a sequence in ``skip``). Greedy rows take one argmax over all of them; a row whose logits are not finite
-    draws nothing (token -1, or the argmax, finite False). ``mixed`` False: the caller knows every
+    ``Sequence``: ``greedy``, ``rng``, ``request.params``; None for a sequence in ``skip``).
+    Greedy rows take one argmax over all of them; a row whose logits are not finite draws nothing
+    (token -1, or the argmax, finite False). ``mixed`` False: the caller knows every
     row is greedy and none is skipped (the common case, no per-row look)."""
     greedy_rows = [r for r, s in enumerate(seqs) if s.greedy] if mixed else ()
     if not mixed or len(greedy_rows) == len(seqs):

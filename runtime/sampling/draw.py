@@ -23,8 +23,13 @@ def draw_rows(logits: np.ndarray, seqs: list, skip: set | tuple = (), mixed: boo
     Greedy rows take one argmax over all of them; a row whose logits are not finite draws nothing
     (token -1, or the argmax, finite False). ``mixed`` False: the caller knows every
     row is greedy and none is skipped (the common case, no per-row look)."""
-    greedy_rows = [r for r, s in enumerate(seqs) if s.greedy] if mixed else ()
-    if not mixed or len(greedy_rows) == len(seqs):
+    # argmax lands on a NaN or +Inf if the row has one, on -Inf if the row is all -Inf
+    if not mixed:                              # every row greedy: one argmax, one finiteness gather
+        tokens = logits.argmax(axis=1).tolist()
+        all_finite = finite_at(logits, range(len(seqs)), tokens)
+        return [(token, all_finite or math.isfinite(logits.item(r, token))) for r, token in enumerate(tokens)]
+    greedy_rows = [r for r, s in enumerate(seqs) if s.greedy]
+    if len(greedy_rows) == len(seqs):
         greedy_tokens = logits.argmax(axis=1).tolist()
         greedy_finite = finite_at(logits, range(len(seqs)), greedy_tokens)
     elif greedy_rows:
@@ -40,7 +45,6 @@ def draw_rows(logits: np.ndarray, seqs: list, skip: set | tuple = (), mixed: boo
         if seq.greedy:
             token = greedy_tokens[g]
             g += 1
-            # argmax lands on a NaN or +Inf if the row has one, on -Inf if the row is all -Inf
             draws.append((token, greedy_finite or math.isfinite(logits.item(r, token))))
         else:
             finite = bool(np.isfinite(logits[r]).all())

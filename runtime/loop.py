@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import operator
 import threading
 import time
 from concurrent.futures import Future
@@ -36,6 +37,7 @@ from .spec import SpeculativeConfig, Speculator
 __all__ = ["EngineLimits", "EngineLoop", "EngineStopped", "LoopStats", "QueueFull", "RequestError"]
 
 _log = logging.getLogger("infeng.engine")
+_SINK = operator.attrgetter("request.sink")         # where a request's outputs go
 
 
 class EngineStopped(InfengError):
@@ -306,7 +308,7 @@ class EngineLoop:
         """Hand each sink its outputs, one call per sink."""
         if not outs:
             return
-        for sink, batch in grouped(outs, lambda out: out.request.sink):
+        for sink, batch in grouped(outs, _SINK):
             sink(batch)
 
     # -- numbers ----------------------------------------------------------------------------

@@ -63,6 +63,9 @@ class SeqOutput:
 def grouped(outs: list[SeqOutput], key: Callable[[SeqOutput], Any]) -> list[tuple[Any, list[SeqOutput]]]:
     """``outs`` grouped by ``key(out)`` (the same object, not an equal one), in first-seen order;
     outputs whose key is None are left out."""
+    if len(outs) == 1:                         # one sequence in the step: nothing to group
+        owner = key(outs[0])
+        return [] if owner is None else [(owner, outs)]
     groups: dict[int, tuple[Any, list[SeqOutput]]] = {}
     for out in outs:
         owner = key(out)

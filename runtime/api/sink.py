@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import operator
 import os
 from typing import Callable
 
 from ..request import SeqOutput, grouped
 
 __all__ = ["AsyncSink"]
+
+_CONTEXT = operator.attrgetter("request.context")     # the queue of the request's HTTP handler
 
 
 def _gil_holding_write() -> Callable[[int], None]:
@@ -73,5 +76,5 @@ class AsyncSink:
 
     @staticmethod
     def _route(outs: list[SeqOutput]) -> None:
-        for queue, batch in grouped(outs, lambda out: out.request.context):
+        for queue, batch in grouped(outs, _CONTEXT):
             queue.put_nowait(batch)

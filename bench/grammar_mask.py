@@ -177,7 +177,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="walks through each document")
     ap.add_argument("--engines", default="llguidance,xgrammar,outlines-core")
     args = ap.parse_args()
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_common.tokenizer import Tokenizer
 
     tok_dir = Path(args.tokenizer) if args.tokenizer else smollm2_tokenizer_dir()
     tok = Tokenizer(tok_dir)

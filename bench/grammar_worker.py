@@ -23,8 +23,9 @@ import llguidance
 
 from infeng_runtime.grammar_limits import GrammarLimits, parser_limits
 from infeng_runtime.grammar_worker import GrammarWorkers, TokenizerSpec
-from infeng_runtime.structured import GrammarCompiler, GrammarSpec, llguidance_grammar
-from infeng_runtime.tokenizer import Tokenizer
+from infeng_runtime.grammar_worker import llguidance_grammar
+from infeng_runtime.structured import GrammarCompiler, GrammarSpec
+from infeng_common.tokenizer import Tokenizer
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "assets" / "models" / "stories260K"
 

@@ -27,7 +27,7 @@ from infeng_compiler.evaluate import perplexity
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter
 from infeng_compiler.passes.manager import PassContext, PassManager, parse_pipeline
-from infeng_runtime.tokenizer import Tokenizer
+from infeng_common.tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 MODEL = ASSETS / "models" / "stories260K"

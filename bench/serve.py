@@ -34,7 +34,8 @@ With ``--baseline-tree DIR`` (a checkout of an older commit, e.g. ``git worktree
 COMMIT``), the same artifact is also served by that tree's runtime, in the same alternating rounds:
 ``median_step_overhead_us``, ``baseline_median_step_overhead_us`` and ``overhead_ratio`` (this tree
 / the old one, medians over the rounds) compare the Python time per step of the two runtimes on the
-same machine and clients.
+same machine and clients; ``baseline_tok_s``, ``baseline_ttft_ms_p50`` and the per-round lists
+(``tok_s_all``, ``ttft_ms_all`` and their ``baseline_`` twins) their throughput and first tokens.
 """
 from __future__ import annotations
 
@@ -233,7 +234,7 @@ class _StubEngine:
     def __init__(self, artifact: Path, max_seqs: int, max_context: int):
         from infeng_runtime.adapters import AdapterManager
         from infeng_runtime.kv_cache import BlockAllocator
-        from infeng_runtime.tokenizer import Tokenizer
+        from infeng_common.tokenizer import Tokenizer
 
         self.path = artifact
         self.manifest = json.loads((artifact / "manifest.json").read_text())
@@ -388,7 +389,12 @@ def main() -> None:
                            baseline_median_step_overhead_us=round(base_us, 1),
                            overhead_ratio=round(ours_us / base_us, 3),
                            overhead_us_all=[round(r["step_overhead_us"], 1) for r in runs["infeng"]],
-                           baseline_overhead_us_all=[round(r["step_overhead_us"], 1) for r in runs["baseline"]])
+                           baseline_overhead_us_all=[round(r["step_overhead_us"], 1) for r in runs["baseline"]],
+                           baseline_ttft_ms_p50=round(base["ttft_ms_p50"], 3),
+                           tok_s_all=[round(r["tok_s"], 1) for r in runs["infeng"]],
+                           baseline_tok_s_all=[round(r["tok_s"], 1) for r in runs["baseline"]],
+                           ttft_ms_all=[round(r["ttft_ms_p50"], 2) for r in runs["infeng"]],
+                           baseline_ttft_ms_all=[round(r["ttft_ms_p50"], 2) for r in runs["baseline"]])
             emit(**row)
     finally:
         for proc in procs:

@@ -212,7 +212,8 @@ def replay(prompt: list[int], output: list[int], cost, max_draft: int, hindsight
     only the drafts that were accepted."""
     from types import SimpleNamespace
 
-    from infeng_runtime.speculative import SpeculativeConfig, Speculator, accept_greedy
+    from infeng_runtime.sampling import accept_greedy
+    from infeng_runtime.spec import SpeculativeConfig, Speculator
 
     config = SpeculativeConfig("ngram", max_draft=max_draft, adaptive=not hindsight)
     spec = Speculator(config, engine=None, cost=None if hindsight else cost)
@@ -240,7 +241,7 @@ TREE_CANDIDATES = 8
 def lookup_candidates(tokens: list[int], k: int, length: int) -> list[tuple[int, ...]]:
     """Up to ``k`` distinct continuations (``length`` tokens) of the earlier occurrences of the last 3,
     then 2, then 1 tokens; within an order, the longest agreeing run before the occurrence first."""
-    from infeng_runtime.speculative import run_before
+    from infeng_runtime.spec import run_before
 
     n, out = len(tokens), []
     for order in (3, 2, 1):
@@ -316,7 +317,7 @@ def main() -> None:
     from infeng_runtime.chat import render_chat
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
-    from infeng_runtime.speculative import MEASURED_T, CostModel
+    from infeng_runtime.spec import MEASURED_T, CostModel
 
     if args.artifact is not None and args.kv != "f32":
         raise SystemExit("--kv applies to the registry model this bench compiles; an --artifact keeps the KV "

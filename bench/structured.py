@@ -27,9 +27,9 @@ import time
 from infeng_runtime import structured
 from infeng_runtime.engine import Engine
 from infeng_runtime.loop import EngineLoop
-from infeng_runtime.sampling import SamplingParams
+from infeng_runtime.sampling import SamplingParams, grammar
 from infeng_runtime.scheduler import Request
-from infeng_runtime.speculative import parse_speculative
+from infeng_runtime.spec import parse_speculative
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -68,7 +68,7 @@ def main() -> None:
     compiler.constraint(spec, 1)                          # the tokenizer and grammar, built once
 
     in_masks = [0.0]
-    apply_masks, advance, mask_verdicts = structured.apply_masks, structured.advance, structured.mask_verdicts
+    apply_masks, advance, mask_verdicts = grammar.apply_masks, grammar.advance, grammar.mask_verdicts
 
     def timed(fn):
         def wrapper(*a, **kw):

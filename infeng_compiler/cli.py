@@ -435,7 +435,7 @@ def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0,
     """(step backend, tokenizer): a compiled Engine for an artifact, else the interpreter
     (over the graph after ``quantize``, a ``quantize`` pipeline entry, when given)."""
     from infeng_common.manifest import is_artifact
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_common.tokenizer import Tokenizer
 
     from .frontends import import_model, model_source
     from .interp import Interpreter
@@ -544,21 +544,17 @@ def generate_command(model: Path = typer.Argument(..., help="model directory or 
                      as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
                      tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer dir (ONNX)")):
     """Continue PROMPT with the reference interpreter (slow, exact)."""
+    from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
+
+    from .interp_engine import InterpreterEngine
 
     runner, tokenizer = _load_runner(model, Backend.interp, tokenizer_dir=tokenizer_dir)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
-    _print_generation(runner, tokenizer, prompt, params, as_json, "interpreter")
-
-
-def _print_generation(runner, tokenizer, prompt: str, params, as_json: bool, label: str) -> None:
-    """The interpreter's continuation of ``prompt``, streamed (see ``_print_stream``)."""
-    from infeng_runtime.generation import Generation, stream
-
-    result = Generation()
-    _print_stream(prompt, stream(runner, tokenizer, tokenizer.encode(prompt), params, result=result),
-                  lambda: result, as_json, label)
+    llm = LLM.over(InterpreterEngine(runner, tokenizer), prefix_cache=False)    # the engine loop, as infeng run
+    stream = llm.stream(prompt, params)
+    _print_stream(prompt, stream, lambda: stream.completion, as_json, "interpreter", source=model)
 
 
 def _print_stream(prompt: str, pieces, result, as_json: bool, label: str,
@@ -765,7 +761,7 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
     from infeng_runtime.chat import chat_prompt_ids, template_source
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
-    from infeng_runtime.speculative import parse_speculative
+    from infeng_runtime.spec import parse_speculative
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
@@ -936,7 +932,7 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                            grammar_timeout=grammar_timeout, grammar_mask_timeout=grammar_mask_timeout,
                            max_grammar_bytes=parse_size(max_grammar_bytes, "--max-grammar-bytes"), ui=not no_ui,
                            prefix_cache_dir=prefix_cache_dir, warmup=warmup)
-    from infeng_runtime.speculative import parse_speculative
+    from infeng_runtime.spec import parse_speculative
 
     options.speculative = parse_speculative(speculative)
     options.check()
@@ -1041,7 +1037,7 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
         max_adapters = max(4, len(adapter)) if adapter else 0
     artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
                                  quant_policy, calib, calib_max_bytes, kv, kv_window, act_precision)
-    from infeng_runtime.speculative import parse_speculative
+    from infeng_runtime.spec import parse_speculative
 
     options = ServeOptions(host=host, port=port, threads=threads_per_replica, max_seqs=max_seqs,
                            max_context=max_context, max_waiting=max_queue, served_model_name=served_model_name,

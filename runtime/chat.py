@@ -17,8 +17,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from infeng_common.errors import InfengError
-
-from .tokenizer import Tokenizer
+from infeng_common.tokenizer import Tokenizer
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 

@@ -1,15 +1,17 @@
 """Consumer-side text of one choice: incremental detokenizing, stop strings, logprob entries.
 
-Runs wherever the outputs are consumed (the HTTP event loop, the offline driver, the
-interpreter's generation loop), never on the engine loop; the one implementation of stop strings. ``ChoiceText.push`` takes the loop's token outputs and returns the text that is now
-final; text that might be the start of a stop string is held back until it is decided.
+Runs wherever the outputs are consumed (the HTTP event loop, the offline driver that ``infeng run``,
+``infeng chat`` and ``infeng generate`` use), never on the engine loop; the one output processor
+and the one implementation of stop strings. ``ChoiceText.push`` takes the loop's token outputs and
+returns the text that is now final; text that might be the start of a stop string is held back until it is decided.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infeng_common.tokenizer import StreamDecoder, Tokenizer
+
 from .scheduler import SeqOutput
-from .tokenizer import StreamDecoder, Tokenizer
 
 
 @dataclass

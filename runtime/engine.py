@@ -12,10 +12,10 @@ import numpy as np
 
 from infeng_common.errors import InfengError
 from infeng_common.manifest import ABI_HEADER, LIBRARY, WEIGHTS, ArtifactError, read_manifest
+from infeng_common.tokenizer import Tokenizer
 
 from .adapters import AdapterError, AdapterManager
 from .kv_cache import BlockAllocator
-from .tokenizer import Tokenizer
 
 ABI_VERSION = 1
 _SMALL_STEP = 64    # steps of at most this many tokens take the pure-Python bookkeeping path

@@ -7,12 +7,13 @@ at a time while another client has jobs too (its further jobs wait their turn be
 in front of others'; alone, it may use every thread); the
 scheduler ranks a client's new sequences after the ones it already has in flight
 (``Request.client``, scheduler.py), so a bystander's request is admitted before a greedy
-client's backlog. Behind a proxy every request has the proxy's address and these shares are one.
+client's backlog, and ``AdmissionShare`` holds a client past its share of the running slots while
+another waits. Behind a proxy every request has the proxy's address and these shares are one.
 """
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -108,3 +109,29 @@ def _count(counts: dict[str, int], client: str, change: int) -> None:
 
 def _nothing() -> None:
     pass
+
+
+class AdmissionShare:
+    """One admission round's fair share: while another client has sequences waiting, no client is
+    admitted past ``max(1, max_seqs // clients)`` running sequences (clients: those with
+    unfinished sequences)."""
+
+    def __init__(self, unfinished: dict[str, int], running: Iterable, max_seqs: int):
+        """``unfinished``: each client's unfinished sequences; ``running``: the running sequences."""
+        self.unfinished = unfinished
+        self.running: dict[str, int] = {}
+        for seq in running:
+            if seq.request.client is not None:
+                self.running[seq.request.client] = self.running.get(seq.request.client, 0) + 1
+        self.cap = max(1, max_seqs // max(len(self.unfinished), 1))
+        self.waiting = {c for c, n in self.unfinished.items() if n > self.running.get(c, 0)}
+
+    def over(self, client: str | None) -> bool:
+        return (client is not None and self.running.get(client, 0) >= self.cap
+                and any(other != client for other in self.waiting))
+
+    def admitted(self, client: str | None) -> None:
+        if client is not None:
+            self.running[client] = self.running.get(client, 0) + 1
+            if self.running[client] >= self.unfinished[client]:
+                self.waiting.discard(client)

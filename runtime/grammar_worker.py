@@ -19,6 +19,7 @@ import queue
 import signal
 import threading
 import time
+import json
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -34,6 +35,9 @@ PR_SET_PDEATHSIG = 1                           # linux/prctl.h
 #: How long a new worker may take to start (import llguidance, build the tokenizer); one that takes
 #: longer is killed and started again.
 STARTUP_SECONDS = 30.0
+#: JSON as a strict OpenAI schema prints it: no free whitespace (a small model given free
+#: whitespace can pad a document with newlines until max_tokens).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarBusy(GrammarError):
@@ -49,12 +53,43 @@ class TokenizerSpec:
     eos: tuple[int, ...]
 
 
+def _lark_string(text: str) -> str:
+    return json.dumps(text)               # Lark string literals take JSON's escapes
+
+
+def llguidance_grammar(kind: str, value: Any, param: str) -> str:
+    """The llguidance grammar of one constraint (not yet checked against a tokenizer); GrammarError
+    for a value of the wrong shape. Runs in the grammar worker processes (grammar_worker.py)."""
+    import llguidance
+
+    if kind == "json":
+        if not isinstance(value, (dict, bool)):
+            raise GrammarError("a JSON schema must be a JSON object", param)
+        return llguidance.LLMatcher.grammar_from_json_schema(value if value is not True else {}, defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        if not isinstance(value, str):
+            raise GrammarError("a regex must be a string", param)
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise GrammarError("choice must be a non-empty list of strings", param)
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in value))
+    if kind == "grammar":
+        if not isinstance(value, str) or not value.strip():
+            raise GrammarError("a grammar must be a non-empty string (Lark, or GBNF/EBNF with ::=)", param)
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        # GBNF (llama.cpp) / EBNF (xgrammar's dialect, with ::=) becomes Lark; Lark stays
+        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(value))
+    raise GrammarError(f"unknown constraint {kind!r}", param)
+
+
 def _serve(conn: Connection, tokenizer: TokenizerSpec) -> None:
     """A worker's loop: (kind, value, param, limits) in; ("ok", grammar, None) or ("error", message,
     code) out. The constraint's shape is checked against the limits first (grammar_limits.py)."""
     import llguidance
-
-    from .structured import llguidance_grammar
 
     ll_tok = llguidance.LLTokenizer(tokenizer.hf_json, n_vocab=tokenizer.vocab_size,
                                     eos_token=list(tokenizer.eos) or None)

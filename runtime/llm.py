@@ -29,7 +29,7 @@ from .engine import DEFAULT_MAX_SEQS, Engine
 from .loop import EngineLoop
 from .sampling import SamplingParams
 from .scheduler import Request, SeqOutput
-from .speculative import SpeculativeConfig, parse_speculative
+from .spec import SpeculativeConfig, parse_speculative
 
 
 @dataclass
@@ -82,16 +82,30 @@ class LLM:
         sizes it (docs/serving.md, *KV memory*). ``speculative``: ``"ngram"``, ``"draft:ARTIFACT"``
         (``[:K]``, the most drafted tokens per step) or a ``SpeculativeConfig``; None decodes one
         token per step (docs/speculative.md)."""
-        self.engine = Engine(artifact, threads=threads, max_seqs=max_seqs, max_context=max_context,
-                             kv_blocks=kv_blocks, kv_memory=kv_memory)
-        if self.engine.tokenizer is None:
+        engine = Engine(artifact, threads=threads, max_seqs=max_seqs, max_context=max_context, kv_blocks=kv_blocks,
+                        kv_memory=kv_memory)
+        if engine.tokenizer is None:
             raise InfengError(f"{artifact}: the artifact has no tokenizer.json")
-        self.tokenizer = self.engine.tokenizer
-        spec = parse_speculative(speculative) if isinstance(speculative, str) else speculative
-        self.loop = EngineLoop(self.engine, max_batched_tokens=max_batched_tokens, max_waiting=1 << 62,
-                               prefix_cache=prefix_cache, speculative=spec)
+        self._drive(engine, max_batched_tokens, prefix_cache, speculative)
         for name, path in (adapters or {}).items():
             self.loop.load_adapter(name, path).result()
+
+    @classmethod
+    def over(cls, engine, *, max_batched_tokens: int | None = None, prefix_cache: bool = True,
+             speculative: str | SpeculativeConfig | None = None) -> "LLM":
+        """The offline API over an engine already built: a compiled ``Engine``, or anything with its
+        surface (the reference interpreter's ``infeng_compiler.interp_engine.InterpreterEngine``)."""
+        llm = cls.__new__(cls)
+        llm._drive(engine, max_batched_tokens, prefix_cache, speculative)
+        return llm
+
+    def _drive(self, engine, max_batched_tokens: int | None, prefix_cache: bool,
+               speculative: str | SpeculativeConfig | None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        spec = parse_speculative(speculative) if isinstance(speculative, str) else speculative
+        self.loop = EngineLoop(engine, max_batched_tokens=max_batched_tokens, max_waiting=1 << 62,
+                               prefix_cache=prefix_cache, speculative=spec)
         self._ids = itertools.count()
 
     def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import operator
 import threading
 import time
 from concurrent.futures import Future
@@ -28,16 +29,35 @@ from typing import Any, Callable
 
 from infeng_common.errors import InfengError
 
+from .request import grouped
 from .scheduler import QueueFull, Request, RequestError, Scheduler, SeqOutput
-from .speculative import SpeculativeConfig, Speculator
+from .sequence import WAITING
+from .spec import SpeculativeConfig, Speculator
 
-__all__ = ["EngineLoop", "EngineStopped", "LoopStats", "QueueFull", "RequestError"]
+__all__ = ["EngineLimits", "EngineLoop", "EngineStopped", "LoopStats", "QueueFull", "RequestError"]
 
 _log = logging.getLogger("infeng.engine")
+_SINK = operator.attrgetter("request.sink")         # where a request's outputs go
 
 
 class EngineStopped(InfengError):
     """The engine loop has failed or is stopping: no request is accepted any more."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a request may ask of this loop, fixed at start: the context of one sequence, the
+    sequences the admission queue holds, the sequences running at once, the KV pool's blocks."""
+
+    max_context: int
+    max_waiting: int
+    max_seqs: int
+    kv_blocks: int
+    block_size: int
+
+    def room(self, prompt_tokens: int) -> int:
+        """The most tokens a sequence with this prompt can generate (at least one)."""
+        return max(1, min(self.max_context, self.kv_blocks * self.block_size) - prompt_tokens)
 
 
 @dataclass
@@ -69,7 +89,7 @@ class EngineLoop:
         self.adapters = engine.adapters
         self.scheduler = Scheduler(engine.kv, list(eos), max_batched_tokens=max_batched_tokens or engine.max_tokens,
                                    max_waiting=max_waiting, max_context=engine.max_context, adapters=engine.adapters)
-        # speculative decoding (speculative.py): decodes draft and the step verifies; measured at load
+        # speculative decoding (spec/): decodes draft and the step verifies; measured at load
         self.speculator = Speculator(speculative, engine) if speculative is not None else None
         self.scheduler.speculator = self.speculator
         self.stats = LoopStats()
@@ -108,6 +128,28 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     # -- requests ---------------------------------------------------------------------------
+    @property
+    def limits(self) -> EngineLimits:
+        sched, kv = self.scheduler, self.scheduler.kv
+        return EngineLimits(sched.max_context, sched.max_waiting, kv.max_seqs, kv.n_blocks, kv.block_size)
+
+    def check(self, request: Request) -> None:
+        """Raise RequestError if ``request`` could never run here (context, adapter, sizes)."""
+        self.scheduler.check(request)
+
+    def request_ids(self) -> list[str]:
+        """The requests in flight (queued or running)."""
+        with self.lock:
+            return list(self.scheduler.requests)
+
+    def adapters_in_flight(self) -> tuple[list[str], list[str]]:
+        """The adapters of the running sequences and of the waiting ones."""
+        with self.lock:
+            sched = self.scheduler
+            running = {s.request.adapter for s in sched.running if s.request.adapter}
+            waiting = {s.request.adapter for _, _, s in sched.waiting if s.status == WAITING and s.request.adapter}
+        return sorted(running), sorted(waiting)
+
     def submit(self, request: Request) -> None:
         """Queue a request; raises RequestError (bad request, unknown adapter), QueueFull or
         EngineStopped."""
@@ -266,16 +308,7 @@ class EngineLoop:
         """Hand each sink its outputs, one call per sink."""
         if not outs:
             return
-        by_sink: dict[int, tuple[Callable, list[SeqOutput]]] = {}
-        for o in outs:
-            sink = o.request.sink
-            if sink is not None:
-                entry = by_sink.get(id(sink))
-                if entry is None:
-                    by_sink[id(sink)] = (sink, [o])
-                else:
-                    entry[1].append(o)
-        for sink, batch in by_sink.values():
+        for sink, batch in grouped(outs, _SINK):
             sink(batch)
 
     # -- numbers ----------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .loop import EngineLoop
-from .scheduler import WAITING
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 30.0)
@@ -24,17 +23,9 @@ class _LoopCollector:
         self.loop = loop
         self.model_name = model_name
 
-    def _adapters(self) -> tuple[list[str], list[str]]:
-        """Adapters of the running and the waiting sequences."""
-        with self.loop.lock:
-            sched = self.loop.scheduler
-            running = {s.request.adapter for s in sched.running if s.request.adapter}
-            waiting = {s.request.adapter for _, _, s in sched.waiting if s.status == WAITING and s.request.adapter}
-        return sorted(running), sorted(waiting)
-
     def _vllm(self, s: dict):
         labels, values = ["model_name"], [self.model_name]
-        block = self.loop.scheduler.kv.block_size
+        block = self.loop.limits.block_size
         gauges = [("vllm:num_requests_running", "sequences running (holding KV blocks)", s["running"]),
                   ("vllm:num_requests_waiting", "sequences waiting for admission", s["waiting"]),
                   ("vllm:kv_cache_usage_perc", "fraction of the KV block pool in use (1 = full)",
@@ -53,7 +44,7 @@ class _LoopCollector:
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(values, value)
             yield c
-        running, waiting = self._adapters()
+        running, waiting = self.loop.adapters_in_flight()
         info = GaugeMetricFamily("vllm:lora_requests_info", "adapters of the running and waiting requests (value: "
                                  "the scrape's time)", labels=["max_lora", "running_lora_adapters",
                                                                 "waiting_lora_adapters"])

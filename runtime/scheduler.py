@@ -29,140 +29,22 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
 from infeng_common.errors import InfengError
 
 from .adapters import AdapterPool
+from .fair_share import AdmissionShare
 from .kv_cache import BlockAllocator, block_hashes
-from .sampling import SamplingParams, distribution, sample
-from .structured import advance, apply_masks, mask_verdicts, mask_wait
-from .speculative import Speculator, accept_greedy, accept_sampled
+from .request import QueueFull, Request, RequestError, SeqOutput
+from .sampling import accept_draft, draw_rows, token_logprobs
+from .sampling.grammar import advance, apply_masks, mask_verdicts, mask_wait
+from .sequence import FINISHED, NO_DRAFT, RUNNING, WAITING, SchedulerStats, Sequence, StepPlan
+from .spec import Speculator
 
 NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this sequence"
-#: The logprob reported for a token of probability 0 (OpenAI's value; -inf is not JSON).
-LOGPROB_FLOOR = -9999.0
-
-
-def _finite_at(logits: np.ndarray, rows: range | list[int], columns: list[int]) -> bool:
-    """Whether ``logits[rows[i], columns[i]]`` are all finite (one gather, no per-row numpy call)."""
-    if len(columns) == 1:
-        return math.isfinite(logits.item(rows[0], columns[0]))
-    vocab = logits.shape[1]
-    return all(map(math.isfinite, logits.reshape(-1).take([r * vocab + c for r, c in zip(rows, columns)]).tolist()))
-
-
-class RequestError(InfengError):
-    """The request cannot be served as asked (bad parameter, too long, unknown adapter)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.code, self.status = param, code, status
-
-
-class QueueFull(InfengError):
-    """The admission queue is at its bound; retry later."""
-
-    def __init__(self, message: str, retry_after: float = 1.0):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-@dataclass
-class Request:
-    """What a client asked for: one prompt continued ``n`` times (one sequence per choice)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    n: int = 1
-    adapter: str | None = None
-    priority: int = 0                       # lower is served first (after the fair-share rank); then FIFO
-    logprobs: int | None = None             # None: none; k: the sampled token's and the top k
-    sink: Callable[[list["SeqOutput"]], None] | None = None   # called on the engine thread
-    context: object = None                  # whatever the consumer wants back with each output
-    grammar: object = None                  # structured.Constraint: one matcher per choice, or None
-    client: str | None = None               # who asked (fair_share.py): ranks its sequences after its others
-    arrival: float = field(default_factory=time.monotonic)
-
-
-@dataclass(slots=True)
-class SeqOutput:
-    """What one step produced for one sequence: a token (or none when it finished without one)."""
-
-    request: Request
-    index: int                              # the choice index within the request
-    token: int | None
-    finish_reason: str | None = None        # "stop" (EOS), "length", "abort", "error"
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    error: str | None = None
-    cached_tokens: int = 0                  # prompt tokens served from the prefix cache (first output)
-
-
-WAITING, RUNNING, FINISHED = 0, 1, 2
-NO_DRAFT: list[int] = []                   # shared, never mutated
-
-
-class Sequence:
-    __slots__ = ("seq_id", "request", "index", "tokens", "prompt_len", "num_computed", "rng", "status",
-                 "generated", "order", "hashes", "namespace", "reported_cached", "cached_tokens", "greedy",
-                 "adapter_slot", "spec", "draft")
-
-    def __init__(self, seq_id: int, request: Request, index: int, order: tuple[int, int, int], namespace: str):
-        self.seq_id, self.request, self.index, self.order = seq_id, request, index, order
-        self.tokens = list(request.prompt_ids)
-        self.prompt_len = len(self.tokens)
-        self.num_computed = 0                  # positions whose K/V are in the cache
-        seed = request.params.seed
-        self.rng = np.random.default_rng(seed if seed is None or index == 0 else [seed, index])
-        self.status = WAITING
-        self.generated = 0
-        self.hashes: list[bytes] = []          # hash chain of the full blocks of tokens (grows)
-        self.namespace = namespace
-        self.reported_cached = False
-        self.cached_tokens: int | None = None
-        self.greedy = request.params.greedy
-        self.adapter_slot = -1
-        self.spec = None                       # speculative.SpecState when it may draft
-        self.draft: list[int] = NO_DRAFT       # tokens drafted for the step in flight
-
-    @property
-    def remaining(self) -> int:
-        return len(self.tokens) - self.num_computed
-
-
-@dataclass
-class StepPlan:
-    """One forward step: flat token rows and, for the rows that end a sequence's input, logits."""
-
-    seqs: list[Sequence]
-    counts: list[int]
-    tokens: np.ndarray
-    positions: np.ndarray
-    slots: np.ndarray
-    adapter_slots: np.ndarray | None
-    logits_rows: np.ndarray
-    sampled: list[Sequence]                 # one per logits row, in order, before the verify rows
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    verify: list[tuple[Sequence, list[int]]] | tuple = ()   # (seq, draft) speculating: 1 + k rows each
-
-
-@dataclass
-class SchedulerStats:
-    steps: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0                  # prompt tokens of admitted sequences
-    computed_prompt_tokens: int = 0         # prompt tokens actually run (not from the cache)
-    generated_tokens: int = 0
-    late_mask_skips: int = 0                # times a sequence skipped a step for a grammar mask not ready
-    finished: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -353,7 +235,7 @@ class Scheduler:
 
     def _admit(self, chosen: list[tuple[Sequence, int]], budget: int) -> int:
         kv = self.kv
-        share = _ClientShare(self)
+        share = AdmissionShare(self._client_seqs, self.running, self.max_seqs)
         passed_over: list[tuple] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             _, _, seq = self.waiting[0]
@@ -489,26 +371,10 @@ class Scheduler:
                        and s.status == RUNNING and s not in late] if self._special else ()
         if constrained:                        # structured outputs: disallowed tokens masked (structured.py)
             apply_masks(logits, constrained)
-        greedy_rows = [r for r, s in enumerate(sampled) if s.greedy] if self._special else ()
-        if not self._special or len(greedy_rows) == len(sampled):
-            greedy_tokens = logits.argmax(axis=1).tolist()
-            greedy_finite = _finite_at(logits, range(len(sampled)), greedy_tokens)
-        elif greedy_rows:
-            greedy_tokens = logits[greedy_rows].argmax(axis=1).tolist()
-            greedy_finite = _finite_at(logits, greedy_rows, greedy_tokens)
-        g = 0
-        for r, seq in enumerate(sampled):
-            if late and seq in late:           # not sampled this step
-                g += seq.greedy
+        for r, (seq, drawn) in enumerate(zip(sampled, draw_rows(logits, sampled, late, bool(self._special)))):
+            if drawn is None:                  # late: not sampled this step
                 continue
-            if seq.greedy:
-                token = greedy_tokens[g]
-                g += 1
-                # argmax lands on a NaN or +Inf if the row has one, on -Inf if the row is all -Inf
-                finite = greedy_finite or math.isfinite(logits.item(r, token))
-            else:
-                finite = bool(np.isfinite(logits[r]).all())
-                token = sample(logits[r], seq.request.params, seq.rng) if finite else -1
+            token, finite = drawn
             if seq.status != RUNNING:
                 continue
             if not finite:
@@ -556,24 +422,8 @@ class Scheduler:
                 continue
             if seq.request.grammar is not None:    # row j: the grammar's state after j drafted tokens
                 seq.request.grammar.mask_draft_rows(seq.index, rows)
-            if seq.greedy:
-                targets = rows.argmax(axis=1).tolist()
-                a = accept_greedy(targets, draft)
-                chosen = targets[:a + 1]
-                finite = _finite_at(rows, range(a + 1), chosen)
-            else:
-                params, chosen = seq.request.params, []
-                finite = True
-                for i in range(k + 1):
-                    if not np.isfinite(rows[i]).all():
-                        finite = False
-                        break
-                    p = distribution(rows[i], params)
-                    token = accept_sampled(p, draft[i], seq.rng) if i < k else int(seq.rng.choice(p.size, p=p))
-                    chosen.append(token)
-                    if i == k or token != draft[i]:
-                        break
-                a = len(chosen) - 1
+            chosen, finite = accept_draft(rows, draft, seq.request.params, seq.rng)
+            a = len(chosen) - 1
             if not finite:
                 outs.append(self._finish(seq, "error", NON_FINITE))
                 continue
@@ -609,14 +459,7 @@ class Scheduler:
         out = SeqOutput(seq.request, seq.index, token, None, None, None, None, cached)
         k = seq.request.logprobs
         if k is not None:
-            z = logits[row].astype(np.float64)
-            z -= z.max()
-            logp = np.maximum(z - np.log(np.exp(z).sum()), LOGPROB_FLOOR)     # -inf (masked) is not JSON
-            out.logprob = float(logp[token])
-            if k > 0:
-                top = np.argpartition(-logp, k - 1)[:k]
-                top = top[np.argsort(-logp[top], kind="stable")]
-                out.top_logprobs = [(int(t), float(logp[t])) for t in top]
+            out.logprob, out.top_logprobs = token_logprobs(logits[row], token, k)
         seq.tokens.append(token)
         seq.generated += 1
         self.stats.generated_tokens += 1
@@ -670,28 +513,3 @@ class Scheduler:
 
     def reset_stats(self) -> None:
         self.stats = SchedulerStats()
-
-
-class _ClientShare:
-    """One admission round's fair share: while another client has sequences waiting, no client is
-    admitted past ``max(1, max_seqs // clients)`` running sequences (clients: those with
-    unfinished sequences)."""
-
-    def __init__(self, sched: Scheduler):
-        self.unfinished = sched._client_seqs
-        self.running: dict[str, int] = {}
-        for seq in sched.running:
-            if seq.request.client is not None:
-                self.running[seq.request.client] = self.running.get(seq.request.client, 0) + 1
-        self.cap = max(1, sched.max_seqs // max(len(self.unfinished), 1))
-        self.waiting = {c for c, n in self.unfinished.items() if n > self.running.get(c, 0)}
-
-    def over(self, client: str | None) -> bool:
-        return (client is not None and self.running.get(client, 0) >= self.cap
-                and any(other != client for other in self.waiting))
-
-    def admitted(self, client: str | None) -> None:
-        if client is not None:
-            self.running[client] = self.running.get(client, 0) + 1
-            if self.running[client] >= self.unfinished[client]:
-                self.waiting.discard(client)

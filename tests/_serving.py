@@ -156,31 +156,23 @@ def sse_lines(response: httpx.Response) -> list[str]:
 
 
 class AloneReference:
-    """Greedy continuations computed one request at a time on a fresh Engine, through
-    ``generation.stream`` with the adapter's slot: exactly what ``infeng run --adapter/--use`` does."""
+    """Greedy continuations computed one request at a time on a fresh engine of one sequence, through
+    the offline ``LLM`` API with the adapter loaded: exactly what ``infeng run --adapter/--use`` does."""
 
     def __init__(self, artifact: Path, adapter_dirs: dict[str, Path] | None = None):
-        from infeng_runtime.engine import Engine
+        from infeng_runtime.llm import LLM
 
-        self.engine = Engine(artifact, threads=1, max_seqs=1)
-        for name, path in (adapter_dirs or {}).items():
-            self.engine.load_adapter(name, path)
+        self.llm = LLM(artifact, threads=1, max_seqs=1, adapters=adapter_dirs)
+        self.engine = self.llm.engine
         self.cache: dict[tuple, str] = {}
 
     def __call__(self, prompt: str | list[int], max_tokens: int, adapter: str | None = None) -> str:
-        from infeng_runtime.generation import Generation, stream
         from infeng_runtime.sampling import SamplingParams
 
         key = (prompt if isinstance(prompt, str) else tuple(prompt), max_tokens, adapter)
         if key not in self.cache:
-            tok = self.engine.tokenizer
-            ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            slot = self.engine.adapter_slot(adapter, seq=0) if adapter else -1
-            result = Generation()
-            for _ in stream(self.engine, tok, ids, SamplingParams(max_new_tokens=max_tokens), result=result,
-                            adapter_slot=slot):
-                pass
-            self.cache[key] = result.text
+            self.cache[key] = self.llm.generate([prompt], SamplingParams(max_new_tokens=max_tokens),
+                                                adapter=adapter)[0].text
         return self.cache[key]
 
 

@@ -19,7 +19,7 @@ from infeng_compiler.passes.manager import PassManager
 from infeng_compiler.quant.act import fake_quant
 from infeng_compiler.quant.ops import _quantize_act_ref
 from infeng_runtime.engine import Engine
-from infeng_runtime.tokenizer import Tokenizer
+from infeng_common.tokenizer import Tokenizer
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
          "One day, she saw a big, red ball.")

@@ -42,7 +42,7 @@ from infeng_compiler.quant.act import fake_quant, pack_act_rows
 from infeng_compiler.quant.formats import get_format
 from infeng_compiler.quant.search import quantize
 from infeng_runtime.engine import Engine
-from infeng_runtime.tokenizer import Tokenizer
+from infeng_common.tokenizer import Tokenizer
 
 HOST = host_features()
 AMX_MISSING = ", ".join(TARGETS["amx"].missing_features(HOST))

@@ -34,7 +34,7 @@ from infeng_compiler.interp import Interpreter  # noqa: E402
 from infeng_compiler.passes.manager import PassContext, PassManager  # noqa: E402
 from infeng_compiler.quant.formats import get_format  # noqa: E402
 from infeng_runtime.engine import Engine  # noqa: E402
-from infeng_runtime.tokenizer import Tokenizer  # noqa: E402
+from infeng_common.tokenizer import Tokenizer  # noqa: E402
 
 RTOL = 1e-4                 # max abs error <= RTOL * max |logit| against transformers
 TOKENIZER_TEXTS = [

@@ -115,7 +115,7 @@ def test_scan_is_cheap():
 @pytest.fixture(scope="module")
 def workers():
     from infeng_runtime.grammar_worker import GrammarWorkers, TokenizerSpec
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_common.tokenizer import Tokenizer
 
     tok = Tokenizer(STORIES)
     pool = GrammarWorkers(TokenizerSpec(tok.hf.to_str(), 512, tuple(tok.eos_token_ids)), 2)
@@ -126,7 +126,7 @@ def workers():
 @pytest.fixture(scope="module")
 def compiler(workers):
     from infeng_runtime.structured import GrammarCompiler
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_common.tokenizer import Tokenizer
 
     return GrammarCompiler(Tokenizer(STORIES), 512, UNBOUNDED, workers)
 
@@ -203,7 +203,7 @@ def test_a_workers_start_never_counts_against_the_compile_budget(monkeypatch, ca
 
     from infeng_runtime import grammar_worker
     from infeng_runtime.grammar_worker import GrammarWorkers, TokenizerSpec
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_common.tokenizer import Tokenizer
 
     tok = Tokenizer(STORIES)
     real_worker, failures = grammar_worker._Worker, []
@@ -239,7 +239,7 @@ def test_grammar_workers_die_with_the_server(tmp_path):
     script = (f"import sys\nsys.path[:0] = {sys.path!r}\n"
               "from infeng_runtime.grammar_worker import GrammarWorkers, TokenizerSpec\n"
               "from infeng_runtime.grammar_limits import GrammarLimits\n"
-              "from infeng_runtime.tokenizer import Tokenizer\n"
+              "from infeng_common.tokenizer import Tokenizer\n"
               f"tok = Tokenizer({str(STORIES)!r})\n"
               "pool = GrammarWorkers(TokenizerSpec(tok.hf.to_str(), 512, tuple(tok.eos_token_ids)), 2)\n"
               "pool.check('regex', 'a', 'p', GrammarLimits())\n"
@@ -278,7 +278,7 @@ def test_tool_parameters_are_held_to_the_depth_limit_not_the_wrapper():
     parameters' own depth is what the limit bounds (64 passes, 65 is refused)."""
     from infeng_runtime.grammar_limits import json_depth
     from infeng_runtime.structured import GrammarCompiler, GrammarSpec, tool_call_grammar
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_common.tokenizer import Tokenizer
 
     def schema(depth: int) -> dict:
         node: dict = {"type": "object"} if depth % 2 else {"type": "object", "properties": {}}
@@ -309,7 +309,7 @@ def test_only_refusals_that_always_repeat_are_remembered():
     """A compile out of time (a busy machine) is tried again next time; a grammar over a limit is
     refused at once the second time, naming the second request's field."""
     from infeng_runtime.structured import GrammarCompiler, GrammarSpec
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_common.tokenizer import Tokenizer
 
     class Workers:
         def __init__(self, refusal: str):
@@ -352,9 +352,10 @@ def _run(artifact, slow: dict[str, float], mask_seconds: float, speculative: str
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
     from infeng_runtime.scheduler import Request
-    from infeng_runtime.structured import Constraint, GrammarCompiler, GrammarSpec
+    from infeng_runtime.sampling.grammar import Constraint
+    from infeng_runtime.structured import GrammarCompiler, GrammarSpec
 
-    from infeng_runtime.speculative import parse_speculative
+    from infeng_runtime.spec import parse_speculative
 
     llm = LLM(artifact, threads=1, max_seqs=8, speculative=parse_speculative(speculative))
     grammars = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size, GrammarLimits(mask_seconds=mask_seconds))
@@ -425,8 +426,9 @@ def test_overdue_mask_ends_its_sequence_alone(artifact):
 
 def test_n_matchers_fill_in_parallel():
     """The masks of one request's four choices are four jobs on four worker threads, not one."""
-    from infeng_runtime.structured import MASK_WORKERS, GrammarCompiler, GrammarSpec
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_runtime.sampling.grammar import MASK_WORKERS
+    from infeng_runtime.structured import GrammarCompiler, GrammarSpec
+    from infeng_common.tokenizer import Tokenizer
 
     c = GrammarCompiler(Tokenizer(STORIES), 512).constraint(GrammarSpec("regex", "[a-z]+"), 4)
     assert all(c.ready(i, deadline=time.monotonic() + 30) for i in range(4))
@@ -521,7 +523,7 @@ def test_a_request_that_gives_up_waiting_for_its_turn_gives_it_back(artifact, en
         server.text_waiting = 0
         CLIENT.set("10.0.0.1")
         held = [await server.text_shares.acquire("10.0.0.1") for _ in range(2)]   # every turn, taken
-        waiting = asyncio.ensure_future(server._text_work(lambda: 1))
+        waiting = asyncio.ensure_future(server.text_work(lambda: 1))
         await asyncio.sleep(0.05)
         if ending:
             server.ending.set()
@@ -535,7 +537,7 @@ def test_a_request_that_gives_up_waiting_for_its_turn_gives_it_back(artifact, en
         for release in held:
             release()
         await asyncio.sleep(0)
-        answer = await asyncio.wait_for(server._text_work(lambda: 42), 5)
+        answer = await asyncio.wait_for(server.text_work(lambda: 42), 5)
         assert not server.text_shares._held
         server.text_pool.shutdown()
         return answer

@@ -238,7 +238,7 @@ REGISTRY_CASES = {
 
 @pytest.fixture(scope="module")
 def story_ids(stories_dir) -> np.ndarray:
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_common.tokenizer import Tokenizer
 
     return np.array(Tokenizer(stories_dir, 1, [2]).encode(STORY, add_bos=True), np.int32)
 

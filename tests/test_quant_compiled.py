@@ -16,7 +16,7 @@ from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter
 from infeng_compiler.passes.manager import PassContext, PassManager
 from infeng_runtime.engine import Engine
-from infeng_runtime.tokenizer import Tokenizer
+from infeng_common.tokenizer import Tokenizer
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
          "One day, she saw a big, red ball.")

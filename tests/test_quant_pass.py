@@ -146,7 +146,7 @@ STORY = "Once upon a time, there was a little girl named Lily. She loved to play
 def test_numerics_within_declared_tolerance(stories_dir, preset: str) -> None:
     """The pass's tolerance is stated for a real model on in-domain text (random-init models
     amplify any rounding chaotically)."""
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_common.tokenizer import Tokenizer
 
     ids = np.array(Tokenizer(stories_dir, 1, [2]).encode(STORY, add_bos=True), np.int32)
     before = logits(import_hf(stories_dir), ids)

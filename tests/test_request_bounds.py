@@ -204,7 +204,7 @@ def test_deep_tool_call_in_the_output_is_content(http):
 
 
 def test_tool_count_bounded(http):
-    from infeng_runtime.server import MAX_TOOLS
+    from infeng_runtime.api.bodies import MAX_TOOLS
 
     tools = [tool(f"f{i}") for i in range(MAX_TOOLS + 1)]
     for path, body in (("/v1/chat/completions", chat(tools=tools)),
@@ -239,10 +239,12 @@ def test_detokenize_bounded_and_off_the_event_loop(served, http, monkeypatch):
     error = error_of(http.post("/detokenize", json={"tokens": [1] * 1_000_000}))         # ~3 MB, under the body cap
     assert f"at most {limit}" in error["message"]
     assert error_of(http.post("/detokenize", json={"tokens": [server.engine.vocab_size]}))["param"] == "tokens"
+    from infeng_runtime.api import tokenize
+
     threads = []
-    check = server._detokenize_body
-    monkeypatch.setattr(server, "_detokenize_body", lambda raw: threads.append(threading.current_thread().name)
-                        or check(raw))
+    check = tokenize.detokenize_body
+    monkeypatch.setattr(tokenize, "detokenize_body", lambda core, raw: threads.append(threading.current_thread().name)
+                        or check(core, raw))
     ids = http.post("/tokenize", json={"prompt": "Once upon a time"}).json()["tokens"]
     r = http.post("/detokenize", json={"tokens": ids})
     assert r.status_code == 200 and "Once upon a time" in r.json()["prompt"]

@@ -18,7 +18,7 @@ pytest.importorskip("llguidance")
 pytest.importorskip("infeng_compiler.frontends.gguf")
 
 from infeng_runtime.api_errors import APIError
-from infeng_runtime.responses import chat_messages, chat_tools, response_format
+from infeng_runtime.api.responses import chat_messages, chat_tools, response_format
 
 MODEL = "smollm2"
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Get the current weather in a city",

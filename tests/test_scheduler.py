@@ -362,7 +362,7 @@ def artifact(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(artifact):
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_common.tokenizer import Tokenizer
 
     return Tokenizer(artifact)
 

@@ -520,7 +520,7 @@ def test_ten_megabyte_prompt_refused_quickly_while_a_stream_flows(open_server):
 
 
 def test_trusted_client_chat_template(open_server, artifact):
-    from infeng_runtime.tokenizer import Tokenizer
+    from infeng_common.tokenizer import Tokenizer
 
     template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{{ greeting }}"
     r = httpx.post(f"{open_server}/v1/chat/completions", timeout=30, json={
@@ -646,7 +646,7 @@ def test_engine_loop_failure_answers_503_and_exits_1(artifact, tmp_path):
 #: prompt with "stuck" in it.
 STUCK_AND_DYING = DYING_ENGINE.replace("Engine.forward = dying_forward", """Engine.forward = dying_forward
 import time
-from infeng_runtime.tokenizer import Tokenizer
+from infeng_common.tokenizer import Tokenizer
 encode_batch = Tokenizer.encode_batch
 
 def stuck_encode_batch(self, texts, *args, **kwargs):
@@ -726,7 +726,7 @@ def test_unexpected_exception_is_a_json_500(in_process, monkeypatch, caplog):
     def broken(model):
         raise RuntimeError("a bug in the handler")
 
-    monkeypatch.setattr(server, "_adapter_of", broken)
+    monkeypatch.setattr(server, "adapter_of", broken)
     with caplog.at_level("ERROR", logger="infeng.server"):
         r = http.post("/v1/completions", json=completion())
     error = error_of(r, 500)
@@ -740,11 +740,11 @@ def test_unexpected_exception_is_a_json_500(in_process, monkeypatch, caplog):
 
 
 def test_text_work_past_its_budget_is_dropped(in_process, monkeypatch):
-    import infeng_runtime.server as server_module
+    import infeng_runtime.api.core as core_module
 
     server, http = in_process
     encode = server.tokenizer.encode_batch
-    monkeypatch.setattr(server_module, "TEXT_WORK_SECONDS", 0.2)
+    monkeypatch.setattr(core_module, "TEXT_WORK_SECONDS", 0.2)
     monkeypatch.setattr(server.tokenizer, "encode_batch", lambda *a: time.sleep(1.0) or encode(*a))
     t0 = time.monotonic()
     error = error_of(http.post("/v1/completions", json=completion()), 400)

@@ -23,11 +23,11 @@ import pytest
 
 from _serving import STORIES, AloneReference, adapters, infeng_command, metric, running_server, served_artifact
 from infeng_runtime.kv_cache import BlockAllocator
-from infeng_runtime.sampling import SamplingParams, distribution
+from infeng_runtime.sampling import SamplingParams, accept_greedy, accept_sampled, distribution
 from infeng_runtime.scheduler import NON_FINITE, Request, Scheduler
-from infeng_runtime.speculative import (COST_OBSERVE_RATE, MATCH_CLASSES, SOURCE_TABLE, CostModel, NgramDrafter,
-                                        SpecState, SpeculativeConfig, SpeculativeError, Speculator, accept_greedy,
-                                        accept_sampled, choose_lengths, parse_speculative)
+from infeng_runtime.spec import (COST_OBSERVE_RATE, MATCH_CLASSES, SOURCE_TABLE, CostModel, NgramDrafter,
+                                        SpecState, SpeculativeConfig, SpeculativeError, Speculator, choose_lengths,
+                                        parse_speculative)
 
 V = 6
 
@@ -521,7 +521,8 @@ def run_constrained(path, spec, params: SamplingParams, drafts: list | None = No
     """Every (prompt, grammar) of PROMPTS x GRAMMARS in one batch; the texts. ``drafts`` collects
     (drafted, allowed) of every draft checked against a grammar."""
     from infeng_runtime.llm import LLM
-    from infeng_runtime.structured import Constraint, GrammarCompiler, GrammarSpec
+    from infeng_runtime.sampling.grammar import Constraint
+    from infeng_runtime.structured import GrammarCompiler, GrammarSpec
 
     llm = LLM(path, threads=1, max_seqs=8, speculative=spec)
     grammars = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size)

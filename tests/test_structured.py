@@ -189,7 +189,7 @@ def test_tool_stream_reassembles_to_the_parse(text):
 
 def test_masked_sampling_keeps_finiteness_checks():
     """A masked row keeps NaN visible to the scheduler's checks and samples only allowed tokens."""
-    from infeng_runtime.structured import MASKED_LOGIT
+    from infeng_runtime.sampling.grammar import MASKED_LOGIT
 
     row = np.array([0.0, 5.0, np.nan, 1.0], dtype=np.float32)
     disallowed = np.array([False, True, False, True])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from infeng_runtime.chat import render_chat
-from infeng_runtime.tokenizer import Tokenizer
+from infeng_common.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class CalibrationTokenizer(Protocol):
-    """What calibration needs of a tokenizer (``infeng_runtime.tokenizer.Tokenizer`` has it)."""
+    """What calibration needs of a tokenizer (``infeng_common.tokenizer.Tokenizer`` has it)."""
 
     bos_token_id: int | None
 
@@ -48,7 +48,7 @@ class PassContext:
         if self.model_dir is None:
             raise InfengError(f"{where}: calibration needs the model's tokenizer; run it from infeng compile/eval "
                               "(PassContext.model_dir or PassContext.tokenizer)")
-        from infeng_runtime.tokenizer import Tokenizer
+        from infeng_common.tokenizer import Tokenizer
 
         return Tokenizer(Path(self.model_dir), graph.meta.get("bos_token_id"), graph.meta.get("eos_token_ids"))
 

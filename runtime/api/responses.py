@@ -1,8 +1,8 @@
 """``POST /v1/responses``: OpenAI's Responses API over the chat path (docs/serving.md).
 
 A request is turned into a chat request (``ChatBody``) and goes through the chat path's pieces:
-``Server.prepare_chat`` (chat template, tools, grammars), ``_submit``/``_events`` (the engine loop),
-``_assistant_message`` and ``ToolStream`` (tool calls out of the text). What differs is the shape:
+``chat.prepare`` (chat template, tools, grammars), ``RequestCore.submit``/``events`` (the engine
+loop), ``chat.assistant_message`` and ``ToolStream`` (tool calls out of the text). What differs is the shape:
 
 - in: ``input`` (a string, or a list of items: messages with ``input_text``/``output_text`` parts,
   ``function_call`` items of earlier turns and ``function_call_output`` results), ``instructions``
@@ -25,15 +25,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Request as HTTPRequest
-from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from fastapi import APIRouter, Request as HTTPRequest
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from .api_errors import APIError
-from .detokenize import ChoiceText
-from .sampling import SEED_BOUND
-from .server import MAX_TOOLS, PRIORITY_BOUND, ChatBody, Server, _parse, _record
-from .tools import ToolCall, ToolStream
+from ..api_errors import APIError
+from ..detokenize import ChoiceText
+from ..sampling import SEED_BOUND
+from ..tools import ToolCall, ToolStream
+from .bodies import MAX_TOOLS, PRIORITY_BOUND, ChatBody, validated
+from .chat import assistant_message, prepare
+from .core import RequestCore, post_route
 
 #: Input part types that carry text (``output_text``: an assistant turn given back as input).
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -279,11 +280,16 @@ class _EventWriter:
         return [*self.close_message(), *self.close_call()]
 
 
-class ResponsesAPI:
-    """``POST /v1/responses`` of one ``Server``."""
+def router(core: RequestCore) -> APIRouter:
+    responses_api = ResponsesAPI(core)
+    return post_route(core, "/v1/responses", lambda _, http: responses_api.create(http))
 
-    def __init__(self, server: Server):
-        self.server = server
+
+class ResponsesAPI:
+    """``POST /v1/responses`` over one ``RequestCore``."""
+
+    def __init__(self, core: RequestCore):
+        self.core = core
 
     def _chat_body(self, body: ResponsesBody) -> ChatBody:
         fields: dict[str, Any] = {
@@ -298,12 +304,7 @@ class ResponsesAPI:
             fields["top_p"] = body.top_p
         if not fields["messages"]:
             raise _bad("input has no messages", "input")
-        try:
-            return ChatBody.model_validate(fields)
-        except ValidationError as e:
-            err = e.errors()[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
-            raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+        return validated(ChatBody, fields)
 
     def _response(self, body: ResponsesBody, response_id: str, created: float, status: str,
                   output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
@@ -329,30 +330,23 @@ class ResponsesAPI:
                 "total_tokens": chat_usage["total_tokens"]}
 
     async def create(self, http: HTTPRequest):
-        server = self.server
-        record = _record(http)
-        server._admitting()
-        body: ResponsesBody = _parse(ResponsesBody, await http.body())
-        record.model = body.model
-        adapter = record.adapter = server._adapter_of(body.model)
+        core = self.core
+        record, body, adapter = await core.begin(http, ResponsesBody)
         _check_unsupported(body)
         chat = self._chat_body(body)
-        ids, params, grammars, mode, named = await server.prepare_chat(chat)
+        ids, params, grammars, mode, named = await prepare(core, chat)
         response_id = f"resp_{record.request_id}"
-        pending = server._submit([ids], [params], 1, adapter, body.priority, None, response_id, grammars)
-        texts = [ChoiceText(server.tokenizer, ids, params.stop)]
+        pending = core.submit([ids], [params], 1, adapter, body.priority, None, response_id, grammars)
+        texts = [ChoiceText(core.tokenizer, ids, params.stop)]
         created = time.time()
         single_call = body.parallel_tool_calls is False
         if body.stream:
-            return StreamingResponse(server._guarded(self._stream(body, response_id, created, pending, texts, record,
-                                                                 mode, named, single_call), pending, texts, record),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        async for _ in server._events(pending, texts, http, record):
-            pass
-        if not texts[0].done:
-            return Response(status_code=499)
-        server._check_errors(texts, record)
-        message, reason = server._assistant_message(texts[0], mode, named, single_call)
+            return core.streaming(self._stream(body, response_id, created, pending, texts, record, mode, named,
+                                               single_call), pending, texts, record)
+        left = await core.finished(pending, texts, http, record)
+        if left is not None:
+            return left
+        message, reason = assistant_message(core, texts[0], mode, named, single_call)
         output = []
         if message.get("content"):
             output.append(_message_item(f"msg_{record.request_id}_0", message["content"], "completed"))
@@ -362,20 +356,20 @@ class ResponsesAPI:
                                      ToolCall(fn["name"], fn["arguments"], call["id"]), "completed"))
         status = "incomplete" if reason == "length" else "completed"
         return self._response(body, response_id, created, status, output,
-                              self._usage(server._usage(pending, texts)))
+                              self._usage(core.usage(pending, texts)))
 
     async def _stream(self, body: ResponsesBody, response_id: str, created: float, pending, texts: list[ChoiceText],
                       record, mode: str, named: str | None, single_call: bool) -> AsyncIterator[str]:
-        server = self.server
+        core = self.core
         out = _EventWriter(prefix=record.request_id)
         yield out.event("response.created", response=self._response(body, response_id, created, "in_progress", []))
         yield out.event("response.in_progress", response=self._response(body, response_id, created, "in_progress",
                                                                          []))
         tools = ToolStream(named, forced=mode == "required") if mode != "none" else None
         calls = 0
-        async for batch in server._events(pending, texts, None, record):
+        async for batch in core.events(pending, texts, None, record):
             for _, delta in batch:
-                failure = server._failure(delta.finish_reason, delta.error)
+                failure = core.failure(delta.finish_reason, delta.error)
                 if failure is not None:
                     record.error = failure.message
                     error = {"code": failure.code or failure.type, "message": failure.message}
@@ -411,4 +405,4 @@ class ResponsesAPI:
             yield e
         status = "incomplete" if texts[0].finish_reason == "length" else "completed"
         yield out.event(f"response.{status}", response=self._response(
-            body, response_id, created, status, out.output, self._usage(server._usage(pending, texts))))
+            body, response_id, created, status, out.output, self._usage(core.usage(pending, texts))))

@@ -1,10 +1,8 @@
-"""Next-token sampling on the few logits rows that need it: greedy, temperature, top-k, top-p."""
+"""``SamplingParams``: what a request asks of the next-token choice (and of its length and stops)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import numpy as np
 
 from infeng_common.errors import InfengError
 
@@ -40,31 +38,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
-
-
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id from a row of logits (which the caller has checked are finite)."""
-    if params.greedy:
-        return int(np.argmax(logits))
-    p = distribution(logits, params)
-    return int(rng.choice(p.size, p=p))
-
-
-def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The probabilities (float64, summing to 1) that ``sample`` draws from for a non-greedy
-    ``params``: temperature, then the top-k cut, then the top-p cut."""
-    z = logits.astype(np.float64) / params.temperature
-    if params.top_k and params.top_k < z.size:
-        kth = np.partition(z, -params.top_k)[-params.top_k]
-        z = np.where(z < kth, -np.inf, z)
-    z -= z.max()
-    p = np.exp(z)
-    p /= p.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-p)
-        cum = np.cumsum(p[order])
-        keep = order[: int(np.searchsorted(cum, params.top_p)) + 1]
-        mask = np.zeros_like(p)
-        mask[keep] = p[keep]
-        p = mask / mask.sum()
-    return p

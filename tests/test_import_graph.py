@@ -81,12 +81,10 @@ def test_no_import_cycle_in_the_runtime_even_inside_functions():
 
 
 #: Compiler modules that sit above both layers and so may import the runtime: the ``infeng``
-#: command and its job commands (``cli_jobs``: run-batch), the interpreter behind the runtime's
-#: engine surface (``infeng generate``), and the IR explorer, served behind the runtime's HTTP guard
-#: and page headers (``infeng explore``); all belong to the command-line package that will sit above
-#: the compiler and the runtime.
-ABOVE_BOTH = ("infeng_compiler.cli", "infeng_compiler.cli_jobs", "infeng_compiler.interp_engine",
-              "infeng_compiler.explore")
+#: command, the interpreter behind the runtime's engine surface (``infeng generate``), and the IR
+#: explorer, served behind the runtime's HTTP guard and page headers (``infeng explore``); all
+#: belong to the command-line package that will sit above the compiler and the runtime.
+ABOVE_BOTH = ("infeng_compiler.cli", "infeng_compiler.interp_engine", "infeng_compiler.explore")
 
 
 def test_layers_point_one_way():

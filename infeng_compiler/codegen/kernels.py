@@ -103,12 +103,19 @@ def c_float(value: float) -> str:
 class _OpKernel:
     params: tuple[str, ...]                               # static parameters, all required
     prototype: str                                        # C declaration; {sym} and {W} filled in
-    variants: tuple[str, ...]                             # ISAs with a template, scalar first
+    variants: tuple[str, ...]                             # ISAs with their own template, scalar first
     symbol_parts: Callable[[dict[str, Any]], list[str]]
     check: Callable[[dict[str, Any]], None] = lambda p: None
     plan: Callable[[dict[str, Any], str], dict[str, Any]] = lambda p, isa: {}
     # ISAs whose template only covers some parameter values (else fall back further down)
     variant_if: Callable[[str, dict[str, Any]], bool] = lambda isa, p: True
+    # written once over the ISA vocabulary: kernels/<op>/vec.c.j2 renders it for every SIMD target
+    vec: bool = False
+
+
+#: ISAs with a vocabulary header, kernels/isa/<isa>.h.j2 (ife_kernels.h takes the best the compiler
+#: flags allow): a target renders an op's vec.c.j2 as the nearest of these in its lineage.
+VOCABULARIES = ("avx512", "avx2")
 
 
 def _expect(cond: bool, message: str) -> None:
@@ -352,13 +359,13 @@ def _kvq_score_chains(p: dict[str, Any]) -> int:
 
 
 def _attention_kvq_variant(isa: str, p: dict[str, Any]) -> bool:
-    """The AVX-512 template covers blocks of a multiple of 16 keys (or 2, 4, 8; not for the integer
+    """The vector template covers blocks of a multiple of 16 keys (or 2, 4, 8; not for the integer
     P·V of int8 V against an int8/int4 K, whose probability groups of 16 positions are its tiles), and
     int4 V heads of <= 16 (power-of-two groups) or a multiple of 32 (groups a multiple of 16); other
     shapes use the scalar template."""
     from ..quant.kv import P_GROUP, QUANTIZED
 
-    if isa != "avx512":
+    if isa == "scalar":
         return True
     B, hd, group = p["block_size"], p["head_dim"], p["group"] or p["head_dim"]
     int_pv = p["k_format"] in QUANTIZED and p["v_format"] == "int8"
@@ -441,11 +448,11 @@ OPS: dict[str, _OpKernel] = {
         "uint16_t *k_ring /* [n_slots, n_kv_heads, head_dim, ring_rows] f16, or NULL */, "
         "uint16_t *v_ring /* [n_slots, ring_rows, n_kv_heads * head_dim] f16, or NULL */, "
         "const int32_t *ring_lo /* [T] first position in the ring, or NULL */, float *out /* [T, n_heads * head_dim] */)",
-        ("scalar", "avx512"),
+        ("scalar",),
         lambda p: [f"h{p['n_heads']}", f"kv{p['n_kv_heads']}", f"d{p['head_dim']}", f"b{p['block_size']}",
                    f"s{_sym_float(p['scale'])}", f"w{p['window']}", f"k{p['k_format']}", f"v{p['v_format']}",
                    f"g{p['group']}", "fht" if p["rotate"] else "nofht", f"kw{p['kv_window']}", f"ring{p['ring_rows']}"],
-        _check_attention_kvq, _plan_attention_kvq, variant_if=_attention_kvq_variant),
+        _check_attention_kvq, _plan_attention_kvq, variant_if=_attention_kvq_variant, vec=True),
     "silu_mul": _OpKernel(
         ("N",),
         "void {sym}(const float *gate /* [T, N] */, const float *up /* [T, N] */, int T, float *out /* [T, N] */)",
@@ -491,13 +498,22 @@ def _op_kernel(op: str) -> _OpKernel:
 
 
 def template_isa(spec: KernelSpec) -> str:
-    """The ISA whose template renders ``spec``: the nearest at or below ``spec.isa`` that has one."""
+    """The ISA whose template renders ``spec``: the nearest at or below ``spec.isa`` that has one of
+    its own, or a vocabulary where the op is written over it (``template_name``)."""
     kernel = _op_kernel(spec.op)
     params = dict(spec.params)
     for isa in TARGETS[spec.isa].lineage():
-        if isa in kernel.variants and kernel.variant_if(isa, params):
+        has_template = isa in kernel.variants or (kernel.vec and isa in VOCABULARIES)
+        if has_template and kernel.variant_if(isa, params):
             return isa
     raise AssertionError(f"{spec.op} has no scalar template")
+
+
+def template_name(spec: KernelSpec) -> str:
+    """The template that renders ``spec``: ``kernels/<op>/<isa>.c.j2``, or ``kernels/<op>/vec.c.j2``."""
+    isa = template_isa(spec)
+    own = isa in _op_kernel(spec.op).variants
+    return f"kernels/{spec.op}/{isa if own else 'vec'}.c.j2"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,9 +555,9 @@ def render_kernel(spec: KernelSpec) -> str:
     isa = template_isa(spec)
     context = dict(params, sym=spec.symbol, isa=isa, target_isa=spec.isa, prototype=kernel_prototype(spec),
                    W=WEIGHT_CTYPES.get(params.get("wdtype", "f32")), **kernel.plan(params, isa))
-    body = render_template(f"kernels/{spec.op}/{isa}.c.j2", **context)
-    return (f"/* {spec.symbol}: {spec.op} for target {spec.isa}, rendered from kernels/{spec.op}/{isa}.c.j2 */\n"
-            + body)
+    name = template_name(spec)
+    body = render_template(name, **context)
+    return f"/* {spec.symbol}: {spec.op} for target {spec.isa}, rendered from {name} ({isa}) */\n" + body
 
 
 def kernel_prototype(spec: KernelSpec) -> str:

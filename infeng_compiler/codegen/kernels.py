@@ -111,6 +111,9 @@ class _OpKernel:
     variant_if: Callable[[str, dict[str, Any]], bool] = lambda isa, p: True
     # written once over the ISA vocabulary: kernels/<op>/vec.c.j2 renders it for every SIMD target
     vec: bool = False
+    # why the SIMD targets render the scalar template (an op with neither vec nor a reason fails the
+    # op x target matrix test)
+    scalar_reason: str | None = None
 
 
 #: ISAs with a vocabulary header, kernels/isa/<isa>.h.j2 (ife_kernels.h takes the best the compiler
@@ -241,9 +244,13 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+#: f32 lanes of a vector of the ISA vocabulary (kernels/isa/*.h.j2: IFE_VL on every vocabulary).
+VOCABULARY_LANES = 16
+
+
 def _plan_row_tail(size: str) -> Callable[[dict[str, Any], str], dict[str, Any]]:
-    """Elements of a row of ``size`` left after whole vectors of the template ISA."""
-    return lambda p, isa: {"tail": p[size] % _LANES[isa]}
+    """Elements of a row of ``size`` left after whole vocabulary vectors (none on scalar)."""
+    return lambda p, isa: {"tail": p[size] % (1 if isa == "scalar" else VOCABULARY_LANES)}
 
 
 def _check_attention(p: dict[str, Any]) -> None:
@@ -399,18 +406,18 @@ OPS: dict[str, _OpKernel] = {
         "void {sym}(const int32_t *ids /* [T] */, int T, const {W} *table /* [V, H] */, float *out /* [T, H] */)",
         ("scalar",),
         lambda p: [p["wdtype"], f"v{p['V']}", f"h{p['H']}"],
-        _all(_positive("V", "H"), _check_wdtype)),
+        _all(_positive("V", "H"), _check_wdtype), vec=True),
     "rms_norm": _OpKernel(
         ("H", "eps"),
         "void {sym}(const float *x /* [T, H] */, int T, const float *w /* [H] */, float *out /* [T, H] */)",
-        ("scalar", "avx2", "avx512"),
-        lambda p: [f"h{p['H']}", f"eps{_sym_float(p['eps'])}"], _positive("H"), _plan_row_tail("H")),
+        ("scalar",),
+        lambda p: [f"h{p['H']}", f"eps{_sym_float(p['eps'])}"], _positive("H"), _plan_row_tail("H"), vec=True),
     "layer_norm": _OpKernel(
         ("H", "eps"),
         "void {sym}(const float *x /* [T, H] */, int T, const float *w /* [H] */, const float *b /* [H] */, "
         "float *out /* [T, H] */)",
-        ("scalar", "avx2", "avx512"),
-        lambda p: [f"h{p['H']}", f"eps{_sym_float(p['eps'])}"], _positive("H")),
+        ("scalar",),
+        lambda p: [f"h{p['H']}", f"eps{_sym_float(p['eps'])}"], _positive("H"), vec=True),
     "linear": _OpKernel(
         ("K", "N", "wdtype"),
         "void {sym}(ife_pool *pool, const float *x /* [T, K] */, int T, const {W} *w /* [N, K] */, "
@@ -423,7 +430,7 @@ OPS: dict[str, _OpKernel] = {
         ("n_heads", "head_dim", "inv_freq"),
         "void {sym}(float *x /* [T, n_heads * head_dim], in place */, int T, const int32_t *pos /* [T] */)",
         ("scalar",),
-        lambda p: [f"h{p['n_heads']}", f"d{p['head_dim']}", f"f{_rope_digest(p['inv_freq'])}"], _check_rope),
+        lambda p: [f"h{p['n_heads']}", f"d{p['head_dim']}", f"f{_rope_digest(p['inv_freq'])}"], _check_rope, vec=True),
     "attention": _OpKernel(
         ("n_heads", "n_kv_heads", "head_dim", "block_size", "scale", "window"),
         "void {sym}(ife_pool *pool, const float *q /* [T, n_heads * head_dim] */, "
@@ -456,37 +463,40 @@ OPS: dict[str, _OpKernel] = {
     "silu_mul": _OpKernel(
         ("N",),
         "void {sym}(const float *gate /* [T, N] */, const float *up /* [T, N] */, int T, float *out /* [T, N] */)",
-        ("scalar", "avx2", "avx512"),
-        lambda p: [f"n{p['N']}"], _positive("N")),
+        ("scalar",),
+        lambda p: [f"n{p['N']}"], _positive("N"), vec=True),
     "gelu": _OpKernel(
         ("N", "approximate"),
         "void {sym}(const float *x /* [T, N] */, int T, float *out /* [T, N] */)",
-        ("scalar", "avx2", "avx512"),
+        ("scalar",),
         lambda p: [p["approximate"], f"n{p['N']}"],
         _all(_positive("N"), lambda p: _expect(p["approximate"] in ("tanh", "none"),
-                                                f"gelu approximate must be 'tanh' or 'none', got {p['approximate']!r}"))),
+                                                f"gelu approximate must be 'tanh' or 'none', got {p['approximate']!r}")),
+        vec=True),
     "add": _OpKernel(
         ("N",),
         "void {sym}(const float *a /* [T, N] */, const float *b /* [T, N] */, int T, float *out /* [T, N] */)",
         ("scalar",),
-        lambda p: [f"n{p['N']}"], _positive("N")),
+        lambda p: [f"n{p['N']}"], _positive("N"), vec=True),
     "copy_cols": _OpKernel(
         ("IN", "OFFSET", "WIDTH"),
         "void {sym}(const float *x /* [T, IN] */, int T, float *out /* [T, WIDTH] */)",
         ("scalar",),
-        lambda p: [f"in{p['IN']}", f"o{p['OFFSET']}", f"w{p['WIDTH']}"], _check_copy_cols),
+        lambda p: [f"in{p['IN']}", f"o{p['OFFSET']}", f"w{p['WIDTH']}"], _check_copy_cols,
+        scalar_reason="a memcpy per row: libc's copy is already vectorised"),
     "gather_rows": _OpKernel(
         ("H",),
         "void {sym}(const float *x /* [T, H] */, const int32_t *rows /* [R] */, int R, float *out /* [R, H] */)",
         ("scalar",),
-        lambda p: [f"h{p['H']}"], _positive("H")),
+        lambda p: [f"h{p['H']}"], _positive("H"), scalar_reason="a memcpy per row: libc's copy is already vectorised"),
     "lora_apply": _OpKernel(
         ("K", "N", "R", "slots"),
         "void {sym}(const float *x /* [T, K] */, int T, const int32_t *slots /* [T], -1 = none, or NULL */, "
         "const int32_t *rank /* [slots] */, const float *scale /* [slots] */, "
         "const float *a /* [slots, R, K] */, const float *bt /* [slots, R, N] */, float *y /* [T, N], += */)",
-        ("scalar", "avx512"),
-        lambda p: [f"k{p['K']}", f"n{p['N']}", f"r{p['R']}", f"s{p['slots']}"], _positive("K", "N", "R", "slots")),
+        ("scalar",),
+        lambda p: [f"k{p['K']}", f"n{p['N']}", f"r{p['R']}", f"s{p['slots']}"], _positive("K", "N", "R", "slots"),
+        vec=True),
 }
 
 

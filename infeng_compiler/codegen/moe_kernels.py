@@ -3,7 +3,7 @@
 | op | what | templates |
 | --- | --- | --- |
 | ``router`` | per token, the top k of E router logits and their weights (the logits come from a ``linear``) | scalar |
-| ``experts`` | the step's (token, expert) pairs grouped by expert; per expert with tokens, its gate_up and down matrices through the target's linear kernels | scalar (driver), avx512 (its row-wise phases in vectors) |
+| ``experts`` | the step's (token, expert) pairs grouped by expert; per expert with tokens, its gate_up and down matrices through the target's linear kernels | scalar (driver), vec (its row-wise phases in vectors, every SIMD target) |
 | ``head_rms_norm`` | RMS norm of each head of a row | scalar |
 | ``sigmoid_gate`` | y scaled per token by sigmoid(x . w) | scalar |
 | ``attention_sinks`` | ``attention`` with a learned logit per query head in every softmax denominator (GPT-OSS) | the attention templates: scalar, avx2, avx512, amx |
@@ -122,10 +122,10 @@ OPS.update({
         "int32_t *pairs /* [T * top_k] work */, float *xg /* [T, H] work */, void *xq /* [T, quantized H row] work */, "
         "float *h /* [T, 2I] work */, float *act /* [T, I] work */, void *actq /* [T, quantized I row] work */, "
         "float *y /* [T, H] work */, float *out /* [T, H] */)",
-        ("scalar", "avx512"),
+        ("scalar",),
         lambda p: [p["wformat"], f"e{p['E']}", f"h{p['H']}", f"i{p['I']}", f"k{p['top_k']}", p["activation"],
                    p["gate_up"], f"b{p['bdtype']}", *(["q8"] if p["act"] == "q8" else [])],
-        _check_experts, _plan_experts),
+        _check_experts, _plan_experts, vec=True),
     "head_rms_norm": _OpKernel(
         ("H", "head_dim", "eps"),
         "void {sym}(const float *x /* [T, H] */, int T, const float *w /* [head_dim] */, float *out /* [T, H] */)",

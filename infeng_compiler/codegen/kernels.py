@@ -519,6 +519,40 @@ def template_isa(spec: KernelSpec) -> str:
     raise AssertionError(f"{spec.op} has no scalar template")
 
 
+def op_template(op: str, target: str) -> str:
+    """Which template ``target`` renders ``op`` from, whatever its shapes: an ISA with a template of
+    its own, ``vec`` (written over the vocabulary), or ``scalar`` (shapes an ISA template does not
+    cover fall back further down: ``variant_if``)."""
+    kernel = _op_kernel(op)
+    for isa in TARGETS[target].lineage():
+        if isa in kernel.variants and isa != "scalar":
+            return isa
+        if kernel.vec and isa in VOCABULARIES:
+            return f"vec ({isa})"
+    return "scalar"
+
+
+def simd_targets() -> list[str]:
+    """Every target with vector instructions, emulated ones aside (the op x target matrix's columns)."""
+    return [name for name, t in TARGETS.items() if name != "scalar" and not t.emulated]
+
+
+def template_matrix() -> dict[str, dict[str, str]]:
+    """op -> SIMD target -> the template it renders (``op_template``), for every op in OPS."""
+    return {op: {target: op_template(op, target) for target in simd_targets()} for op in sorted(OPS)}
+
+
+def template_matrix_markdown() -> str:
+    """The op x target matrix as a markdown table (docs/codegen.md holds it), each scalar row's reason
+    after it."""
+    targets = simd_targets()
+    lines = ["| op | " + " | ".join(targets) + " | why scalar |", "| --- |" + " --- |" * (len(targets) + 1)]
+    for op, row in template_matrix().items():
+        reason = OPS[op].scalar_reason if "scalar" in row.values() else None
+        lines.append(f"| `{op}` | " + " | ".join(row[t] for t in targets) + f" | {reason or ''} |")
+    return "\n".join(lines) + "\n"
+
+
 def template_name(spec: KernelSpec) -> str:
     """The template that renders ``spec``: ``kernels/<op>/<isa>.c.j2``, or ``kernels/<op>/vec.c.j2``."""
     isa = template_isa(spec)

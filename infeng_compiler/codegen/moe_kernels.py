@@ -113,7 +113,8 @@ OPS.update({
         "int32_t *ids /* [T, top_k] */)",
         ("scalar",),
         lambda p: [f"e{p['E']}", f"k{p['top_k']}", p["scoring"], "norm" if p["renormalize"] else "raw"],
-        _check_router),
+        _check_router, scalar_reason="top-k selection over E logits per token, weights in double: "
+                                     "sequential compares, E x top_k per token"),
     "experts": _OpKernel(
         ("E", "H", "I", "top_k", "activation", "gate_up", "alpha", "limit", "wformat", "bdtype", "act", "target"),
         "void {sym}(ife_pool *pool, const float *x /* [T, H] */, int T, const float *route_weights /* [T, top_k] */, "
@@ -132,14 +133,16 @@ OPS.update({
         ("scalar",),
         lambda p: [f"h{p['H']}", f"d{p['head_dim']}"],
         _all(_positive("H", "head_dim"), lambda p: _expect(p["H"] % p["head_dim"] == 0, "head_rms_norm: H is not "
-                                                                                          "whole heads"))),
+                                                                                          "whole heads")),
+        scalar_reason="sums of squares in double, as the reference; the scaling loop -O3 vectorises"),
     "sigmoid_gate": _OpKernel(
         ("N", "K", "wdtype"),
         "void {sym}(const float *y /* [T, N] */, const float *x /* [T, K] */, int T, const {W} *w /* [K] */, "
         "float *out /* [T, N] */)",
         ("scalar",),
         lambda p: [p["wdtype"], f"n{p['N']}", f"k{p['K']}"],
-        _all(_positive("N", "K"), _check_wdtype)),
+        _all(_positive("N", "K"), _check_wdtype),
+        scalar_reason="one dot product and a sigmoid in double per token; the scaling loop -O3 vectorises"),
 })
 
 #: ``attention`` with sinks: its parameters, prototype and templates, plus ``sinks`` (one float per

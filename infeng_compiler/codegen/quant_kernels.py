@@ -2,7 +2,7 @@
 
 | op | what | templates |
 | --- | --- | --- |
-| ``quantize_act`` | f32 rows -> int8 blocks of 32 (scales, sums) or int16 rows (one scale) | scalar, avx2, avx512 |
+| ``quantize_act`` | f32 rows -> int8 blocks of 32 (scales, sums) or int16 rows (one scale) | scalar, vec (every SIMD target) |
 | ``dequantize_act`` | those rows -> the f32 values they stand for (LoRA deltas read them) | scalar |
 | ``linear_q4`` | int4 weights (q4gG, q4gGa) x int8 activations (``vpdpbusd``, ``tdpbsud``) | scalar ... amx |
 | ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``, ``tdpbssd``) | scalar ... amx |
@@ -153,8 +153,8 @@ OPS.update({
     "quantize_act": _OpKernel(
         ("K", "bits", "block"),
         "void {sym}(const float *x /* [T, K] */, int T, uint8_t *out /* [T, row bytes] */)",
-        ("scalar", "avx2", "avx512"),
-        lambda p: [f"k{p['K']}", f"b{p['bits']}"], _check_act, _quantize_act_plan),
+        ("scalar",),
+        lambda p: [f"k{p['K']}", f"b{p['bits']}"], _check_act, _quantize_act_plan, vec=True),
     "dequantize_act": _OpKernel(
         ("K", "bits", "block"),
         "void {sym}(const uint8_t *x /* [T, row bytes] */, int T, float *out /* [T, K] */)",

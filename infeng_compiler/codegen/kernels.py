@@ -103,12 +103,22 @@ def c_float(value: float) -> str:
 class _OpKernel:
     params: tuple[str, ...]                               # static parameters, all required
     prototype: str                                        # C declaration; {sym} and {W} filled in
-    variants: tuple[str, ...]                             # ISAs with a template, scalar first
+    variants: tuple[str, ...]                             # ISAs with their own template, scalar first
     symbol_parts: Callable[[dict[str, Any]], list[str]]
     check: Callable[[dict[str, Any]], None] = lambda p: None
     plan: Callable[[dict[str, Any], str], dict[str, Any]] = lambda p, isa: {}
     # ISAs whose template only covers some parameter values (else fall back further down)
     variant_if: Callable[[str, dict[str, Any]], bool] = lambda isa, p: True
+    # written once over the ISA vocabulary: kernels/<op>/vec.c.j2 renders it for every SIMD target
+    vec: bool = False
+    # why the SIMD targets render the scalar template (an op with neither vec nor a reason fails the
+    # op x target matrix test)
+    scalar_reason: str | None = None
+
+
+#: ISAs with a vocabulary header, kernels/isa/<isa>.h.j2 (ife_kernels.h takes the best the compiler
+#: flags allow): a target renders an op's vec.c.j2 as the nearest of these in its lineage.
+VOCABULARIES = ("avx512", "avx2")
 
 
 def _expect(cond: bool, message: str) -> None:
@@ -234,9 +244,13 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+#: f32 lanes of a vector of the ISA vocabulary (kernels/isa/*.h.j2: IFE_VL on every vocabulary).
+VOCABULARY_LANES = 16
+
+
 def _plan_row_tail(size: str) -> Callable[[dict[str, Any], str], dict[str, Any]]:
-    """Elements of a row of ``size`` left after whole vectors of the template ISA."""
-    return lambda p, isa: {"tail": p[size] % _LANES[isa]}
+    """Elements of a row of ``size`` left after whole vocabulary vectors (none on scalar)."""
+    return lambda p, isa: {"tail": p[size] % (1 if isa == "scalar" else VOCABULARY_LANES)}
 
 
 def _check_attention(p: dict[str, Any]) -> None:
@@ -352,13 +366,13 @@ def _kvq_score_chains(p: dict[str, Any]) -> int:
 
 
 def _attention_kvq_variant(isa: str, p: dict[str, Any]) -> bool:
-    """The AVX-512 template covers blocks of a multiple of 16 keys (or 2, 4, 8; not for the integer
+    """The vector template covers blocks of a multiple of 16 keys (or 2, 4, 8; not for the integer
     P·V of int8 V against an int8/int4 K, whose probability groups of 16 positions are its tiles), and
     int4 V heads of <= 16 (power-of-two groups) or a multiple of 32 (groups a multiple of 16); other
     shapes use the scalar template."""
     from ..quant.kv import P_GROUP, QUANTIZED
 
-    if isa != "avx512":
+    if isa == "scalar":
         return True
     B, hd, group = p["block_size"], p["head_dim"], p["group"] or p["head_dim"]
     int_pv = p["k_format"] in QUANTIZED and p["v_format"] == "int8"
@@ -392,18 +406,18 @@ OPS: dict[str, _OpKernel] = {
         "void {sym}(const int32_t *ids /* [T] */, int T, const {W} *table /* [V, H] */, float *out /* [T, H] */)",
         ("scalar",),
         lambda p: [p["wdtype"], f"v{p['V']}", f"h{p['H']}"],
-        _all(_positive("V", "H"), _check_wdtype)),
+        _all(_positive("V", "H"), _check_wdtype), vec=True),
     "rms_norm": _OpKernel(
         ("H", "eps"),
         "void {sym}(const float *x /* [T, H] */, int T, const float *w /* [H] */, float *out /* [T, H] */)",
-        ("scalar", "avx2", "avx512"),
-        lambda p: [f"h{p['H']}", f"eps{_sym_float(p['eps'])}"], _positive("H"), _plan_row_tail("H")),
+        ("scalar",),
+        lambda p: [f"h{p['H']}", f"eps{_sym_float(p['eps'])}"], _positive("H"), _plan_row_tail("H"), vec=True),
     "layer_norm": _OpKernel(
         ("H", "eps"),
         "void {sym}(const float *x /* [T, H] */, int T, const float *w /* [H] */, const float *b /* [H] */, "
         "float *out /* [T, H] */)",
-        ("scalar", "avx2", "avx512"),
-        lambda p: [f"h{p['H']}", f"eps{_sym_float(p['eps'])}"], _positive("H")),
+        ("scalar",),
+        lambda p: [f"h{p['H']}", f"eps{_sym_float(p['eps'])}"], _positive("H"), vec=True),
     "linear": _OpKernel(
         ("K", "N", "wdtype"),
         "void {sym}(ife_pool *pool, const float *x /* [T, K] */, int T, const {W} *w /* [N, K] */, "
@@ -416,7 +430,7 @@ OPS: dict[str, _OpKernel] = {
         ("n_heads", "head_dim", "inv_freq"),
         "void {sym}(float *x /* [T, n_heads * head_dim], in place */, int T, const int32_t *pos /* [T] */)",
         ("scalar",),
-        lambda p: [f"h{p['n_heads']}", f"d{p['head_dim']}", f"f{_rope_digest(p['inv_freq'])}"], _check_rope),
+        lambda p: [f"h{p['n_heads']}", f"d{p['head_dim']}", f"f{_rope_digest(p['inv_freq'])}"], _check_rope, vec=True),
     "attention": _OpKernel(
         ("n_heads", "n_kv_heads", "head_dim", "block_size", "scale", "window"),
         "void {sym}(ife_pool *pool, const float *q /* [T, n_heads * head_dim] */, "
@@ -441,45 +455,48 @@ OPS: dict[str, _OpKernel] = {
         "uint16_t *k_ring /* [n_slots, n_kv_heads, head_dim, ring_rows] f16, or NULL */, "
         "uint16_t *v_ring /* [n_slots, ring_rows, n_kv_heads * head_dim] f16, or NULL */, "
         "const int32_t *ring_lo /* [T] first position in the ring, or NULL */, float *out /* [T, n_heads * head_dim] */)",
-        ("scalar", "avx512"),
+        ("scalar",),
         lambda p: [f"h{p['n_heads']}", f"kv{p['n_kv_heads']}", f"d{p['head_dim']}", f"b{p['block_size']}",
                    f"s{_sym_float(p['scale'])}", f"w{p['window']}", f"k{p['k_format']}", f"v{p['v_format']}",
                    f"g{p['group']}", "fht" if p["rotate"] else "nofht", f"kw{p['kv_window']}", f"ring{p['ring_rows']}"],
-        _check_attention_kvq, _plan_attention_kvq, variant_if=_attention_kvq_variant),
+        _check_attention_kvq, _plan_attention_kvq, variant_if=_attention_kvq_variant, vec=True),
     "silu_mul": _OpKernel(
         ("N",),
         "void {sym}(const float *gate /* [T, N] */, const float *up /* [T, N] */, int T, float *out /* [T, N] */)",
-        ("scalar", "avx2", "avx512"),
-        lambda p: [f"n{p['N']}"], _positive("N")),
+        ("scalar",),
+        lambda p: [f"n{p['N']}"], _positive("N"), vec=True),
     "gelu": _OpKernel(
         ("N", "approximate"),
         "void {sym}(const float *x /* [T, N] */, int T, float *out /* [T, N] */)",
-        ("scalar", "avx2", "avx512"),
+        ("scalar",),
         lambda p: [p["approximate"], f"n{p['N']}"],
         _all(_positive("N"), lambda p: _expect(p["approximate"] in ("tanh", "none"),
-                                                f"gelu approximate must be 'tanh' or 'none', got {p['approximate']!r}"))),
+                                                f"gelu approximate must be 'tanh' or 'none', got {p['approximate']!r}")),
+        vec=True),
     "add": _OpKernel(
         ("N",),
         "void {sym}(const float *a /* [T, N] */, const float *b /* [T, N] */, int T, float *out /* [T, N] */)",
         ("scalar",),
-        lambda p: [f"n{p['N']}"], _positive("N")),
+        lambda p: [f"n{p['N']}"], _positive("N"), vec=True),
     "copy_cols": _OpKernel(
         ("IN", "OFFSET", "WIDTH"),
         "void {sym}(const float *x /* [T, IN] */, int T, float *out /* [T, WIDTH] */)",
         ("scalar",),
-        lambda p: [f"in{p['IN']}", f"o{p['OFFSET']}", f"w{p['WIDTH']}"], _check_copy_cols),
+        lambda p: [f"in{p['IN']}", f"o{p['OFFSET']}", f"w{p['WIDTH']}"], _check_copy_cols,
+        scalar_reason="a memcpy per row: libc's copy is already vectorised"),
     "gather_rows": _OpKernel(
         ("H",),
         "void {sym}(const float *x /* [T, H] */, const int32_t *rows /* [R] */, int R, float *out /* [R, H] */)",
         ("scalar",),
-        lambda p: [f"h{p['H']}"], _positive("H")),
+        lambda p: [f"h{p['H']}"], _positive("H"), scalar_reason="a memcpy per row: libc's copy is already vectorised"),
     "lora_apply": _OpKernel(
         ("K", "N", "R", "slots"),
         "void {sym}(const float *x /* [T, K] */, int T, const int32_t *slots /* [T], -1 = none, or NULL */, "
         "const int32_t *rank /* [slots] */, const float *scale /* [slots] */, "
         "const float *a /* [slots, R, K] */, const float *bt /* [slots, R, N] */, float *y /* [T, N], += */)",
-        ("scalar", "avx512"),
-        lambda p: [f"k{p['K']}", f"n{p['N']}", f"r{p['R']}", f"s{p['slots']}"], _positive("K", "N", "R", "slots")),
+        ("scalar",),
+        lambda p: [f"k{p['K']}", f"n{p['N']}", f"r{p['R']}", f"s{p['slots']}"], _positive("K", "N", "R", "slots"),
+        vec=True),
 }
 
 
@@ -491,13 +508,56 @@ def _op_kernel(op: str) -> _OpKernel:
 
 
 def template_isa(spec: KernelSpec) -> str:
-    """The ISA whose template renders ``spec``: the nearest at or below ``spec.isa`` that has one."""
+    """The ISA whose template renders ``spec``: the nearest at or below ``spec.isa`` that has one of
+    its own, or a vocabulary where the op is written over it (``template_name``)."""
     kernel = _op_kernel(spec.op)
     params = dict(spec.params)
     for isa in TARGETS[spec.isa].lineage():
-        if isa in kernel.variants and kernel.variant_if(isa, params):
+        has_template = isa in kernel.variants or (kernel.vec and isa in VOCABULARIES)
+        if has_template and kernel.variant_if(isa, params):
             return isa
     raise AssertionError(f"{spec.op} has no scalar template")
+
+
+def op_template(op: str, target: str) -> str:
+    """Which template ``target`` renders ``op`` from, whatever its shapes: an ISA with a template of
+    its own, ``vec`` (written over the vocabulary), or ``scalar`` (shapes an ISA template does not
+    cover fall back further down: ``variant_if``)."""
+    kernel = _op_kernel(op)
+    for isa in TARGETS[target].lineage():
+        if isa in kernel.variants and isa != "scalar":
+            return isa
+        if kernel.vec and isa in VOCABULARIES:
+            return f"vec ({isa})"
+    return "scalar"
+
+
+def simd_targets() -> list[str]:
+    """Every target with vector instructions, emulated ones aside (the op x target matrix's columns)."""
+    return [name for name, t in TARGETS.items() if name != "scalar" and not t.emulated]
+
+
+def template_matrix() -> dict[str, dict[str, str]]:
+    """op -> SIMD target -> the template it renders (``op_template``), for every op in OPS."""
+    return {op: {target: op_template(op, target) for target in simd_targets()} for op in sorted(OPS)}
+
+
+def template_matrix_markdown() -> str:
+    """The op x target matrix as a markdown table (docs/codegen.md holds it), each scalar row's reason
+    after it."""
+    targets = simd_targets()
+    lines = ["| op | " + " | ".join(targets) + " | why scalar |", "| --- |" + " --- |" * (len(targets) + 1)]
+    for op, row in template_matrix().items():
+        reason = OPS[op].scalar_reason if "scalar" in row.values() else None
+        lines.append(f"| `{op}` | " + " | ".join(row[t] for t in targets) + f" | {reason or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def template_name(spec: KernelSpec) -> str:
+    """The template that renders ``spec``: ``kernels/<op>/<isa>.c.j2``, or ``kernels/<op>/vec.c.j2``."""
+    isa = template_isa(spec)
+    own = isa in _op_kernel(spec.op).variants
+    return f"kernels/{spec.op}/{isa if own else 'vec'}.c.j2"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,9 +599,9 @@ def render_kernel(spec: KernelSpec) -> str:
     isa = template_isa(spec)
     context = dict(params, sym=spec.symbol, isa=isa, target_isa=spec.isa, prototype=kernel_prototype(spec),
                    W=WEIGHT_CTYPES.get(params.get("wdtype", "f32")), **kernel.plan(params, isa))
-    body = render_template(f"kernels/{spec.op}/{isa}.c.j2", **context)
-    return (f"/* {spec.symbol}: {spec.op} for target {spec.isa}, rendered from kernels/{spec.op}/{isa}.c.j2 */\n"
-            + body)
+    name = template_name(spec)
+    body = render_template(name, **context)
+    return f"/* {spec.symbol}: {spec.op} for target {spec.isa}, rendered from {name} ({isa}) */\n" + body
 
 
 def kernel_prototype(spec: KernelSpec) -> str:

@@ -3,7 +3,7 @@
 | op | what | templates |
 | --- | --- | --- |
 | ``router`` | per token, the top k of E router logits and their weights (the logits come from a ``linear``) | scalar |
-| ``experts`` | the step's (token, expert) pairs grouped by expert; per expert with tokens, its gate_up and down matrices through the target's linear kernels | scalar (driver), avx512 (its row-wise phases in vectors) |
+| ``experts`` | the step's (token, expert) pairs grouped by expert; per expert with tokens, its gate_up and down matrices through the target's linear kernels | scalar (driver), vec (its row-wise phases in vectors, every SIMD target) |
 | ``head_rms_norm`` | RMS norm of each head of a row | scalar |
 | ``sigmoid_gate`` | y scaled per token by sigmoid(x . w) | scalar |
 | ``attention_sinks`` | ``attention`` with a learned logit per query head in every softmax denominator (GPT-OSS) | the attention templates: scalar, avx2, avx512, amx |
@@ -113,7 +113,8 @@ OPS.update({
         "int32_t *ids /* [T, top_k] */)",
         ("scalar",),
         lambda p: [f"e{p['E']}", f"k{p['top_k']}", p["scoring"], "norm" if p["renormalize"] else "raw"],
-        _check_router),
+        _check_router, scalar_reason="top-k selection over E logits per token, weights in double: "
+                                     "sequential compares, E x top_k per token"),
     "experts": _OpKernel(
         ("E", "H", "I", "top_k", "activation", "gate_up", "alpha", "limit", "wformat", "bdtype", "act", "target"),
         "void {sym}(ife_pool *pool, const float *x /* [T, H] */, int T, const float *route_weights /* [T, top_k] */, "
@@ -122,24 +123,26 @@ OPS.update({
         "int32_t *pairs /* [T * top_k] work */, float *xg /* [T, H] work */, void *xq /* [T, quantized H row] work */, "
         "float *h /* [T, 2I] work */, float *act /* [T, I] work */, void *actq /* [T, quantized I row] work */, "
         "float *y /* [T, H] work */, float *out /* [T, H] */)",
-        ("scalar", "avx512"),
+        ("scalar",),
         lambda p: [p["wformat"], f"e{p['E']}", f"h{p['H']}", f"i{p['I']}", f"k{p['top_k']}", p["activation"],
                    p["gate_up"], f"b{p['bdtype']}", *(["q8"] if p["act"] == "q8" else [])],
-        _check_experts, _plan_experts),
+        _check_experts, _plan_experts, vec=True),
     "head_rms_norm": _OpKernel(
         ("H", "head_dim", "eps"),
         "void {sym}(const float *x /* [T, H] */, int T, const float *w /* [head_dim] */, float *out /* [T, H] */)",
         ("scalar",),
         lambda p: [f"h{p['H']}", f"d{p['head_dim']}"],
         _all(_positive("H", "head_dim"), lambda p: _expect(p["H"] % p["head_dim"] == 0, "head_rms_norm: H is not "
-                                                                                          "whole heads"))),
+                                                                                          "whole heads")),
+        scalar_reason="sums of squares in double, as the reference; the scaling loop -O3 vectorises"),
     "sigmoid_gate": _OpKernel(
         ("N", "K", "wdtype"),
         "void {sym}(const float *y /* [T, N] */, const float *x /* [T, K] */, int T, const {W} *w /* [K] */, "
         "float *out /* [T, N] */)",
         ("scalar",),
         lambda p: [p["wdtype"], f"n{p['N']}", f"k{p['K']}"],
-        _all(_positive("N", "K"), _check_wdtype)),
+        _all(_positive("N", "K"), _check_wdtype),
+        scalar_reason="one dot product and a sigmoid in double per token; the scaling loop -O3 vectorises"),
 })
 
 #: ``attention`` with sinks: its parameters, prototype and templates, plus ``sinks`` (one float per

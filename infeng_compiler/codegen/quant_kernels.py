@@ -2,7 +2,7 @@
 
 | op | what | templates |
 | --- | --- | --- |
-| ``quantize_act`` | f32 rows -> int8 blocks of 32 (scales, sums) or int16 rows (one scale) | scalar, avx2, avx512 |
+| ``quantize_act`` | f32 rows -> int8 blocks of 32 (scales, sums) or int16 rows (one scale) | scalar, vec (every SIMD target) |
 | ``dequantize_act`` | those rows -> the f32 values they stand for (LoRA deltas read them) | scalar |
 | ``linear_q4`` | int4 weights (q4gG, q4gGa) x int8 activations (``vpdpbusd``, ``tdpbsud``) | scalar ... amx |
 | ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``, ``tdpbssd``) | scalar ... amx |
@@ -153,13 +153,15 @@ OPS.update({
     "quantize_act": _OpKernel(
         ("K", "bits", "block"),
         "void {sym}(const float *x /* [T, K] */, int T, uint8_t *out /* [T, row bytes] */)",
-        ("scalar", "avx2", "avx512"),
-        lambda p: [f"k{p['K']}", f"b{p['bits']}"], _check_act, _quantize_act_plan),
+        ("scalar",),
+        lambda p: [f"k{p['K']}", f"b{p['bits']}"], _check_act, _quantize_act_plan, vec=True),
     "dequantize_act": _OpKernel(
         ("K", "bits", "block"),
         "void {sym}(const uint8_t *x /* [T, row bytes] */, int T, float *out /* [T, K] */)",
         ("scalar",),
-        lambda p: [f"k{p['K']}", f"b{p['bits']}"], _check_act, _quantize_act_plan),
+        lambda p: [f"k{p['K']}", f"b{p['bits']}"], _check_act, _quantize_act_plan,
+        scalar_reason="a convert-and-scale loop per value, which -O3 vectorises under the target's flags "
+                      "(only the LoRA input over a quantized base)"),
     "linear_q4": _OpKernel(
         ("K", "N", "wformat"), _LINEAR_PROTO % "int8 activation rows", ("scalar", "avx2", "avx512", "amx"),
         lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
@@ -185,7 +187,9 @@ OPS.update({
         ("scalar",),
         lambda p: [p["wformat"], f"v{p['V']}", f"h{p['H']}"],
         _all(_positive("V", "H"), _check_format(_INT4 + _INT8 + ("f8e4m3",))),
-        lambda p, isa: _weight_plan({"K": p["H"], "N": p["V"], "wformat": p["wformat"]}, isa)),
+        lambda p, isa: _weight_plan({"K": p["H"], "N": p["V"], "wformat": p["wformat"]}, isa),
+        scalar_reason="a token's row lies strided across its block of 16 interleaved rows (the linear "
+                      "kernels' layout): gathers, one row per token and step"),
 })
 
 

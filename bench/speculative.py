@@ -39,7 +39,7 @@ prompt-lookup decoding (``llama-lookup``, its defaults) of the same prompt and, 
 line per prompt gives every ratio of that run.
 
 ``--replay SLOPES`` measures no time: it decodes each prompt once without speculation, then replays
-the n-gram speculator (``runtime/speculative.py``, the same code) over those tokens with a step
+the n-gram speculator (``runtime/spec/drafters.py``, the same code) over those tokens with a step
 cost of ``1 + slope * (T - 1)`` (T: token rows; ``measured`` in the list: the target's own curve). Greedy
 speculation emits the plain tokens, so the replay gives the exact steps, drafts and acceptance of a
 real run, and the modelled speedup (plain steps / cost of the speculative steps); ``bound`` is the

@@ -1,7 +1,9 @@
 """Options declared once: a dataclass field's metadata (``option(...)``) says its command-line
 flag, help text, the range its value must lie in and the environment variable that may set it.
-``check_ranges`` holds a filled-in options object to the ranges (one line naming the flag), and the
-command-line layer and Ray's app builder read the same ``flags`` to make their parameters."""
+``check_ranges`` holds a filled-in options object to the ranges (one line naming the flag). The
+command line still declares each flag as a typer parameter as well: ``tests/test_options.py`` holds
+the two to the same flags, help and ranges (generating the parameters from ``flags`` is the next
+step, issue 28)."""
 from __future__ import annotations
 
 import math

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -59,7 +60,7 @@ class ServedAdapter:
     """An adapter requests may name: its deltas per slot site, read and checked once."""
 
     name: str
-    namespace: str                                    # prefix-cache namespace of this load
+    namespace: str                                    # prefix-cache namespace of this load (unique to the process)
     sites: list[tuple[int, int, float, np.ndarray, np.ndarray]]   # (site, rank, scale, A, B)
 
 
@@ -78,6 +79,9 @@ class AdapterManager:
         self._seq_adapter: dict[int, str] = {}            # running sequences -> their adapter
         self._clock = itertools.count()
         self._loads = itertools.count(1)
+        # in the namespace of every load: a prefix cache saved by one process (--prefix-cache-dir)
+        # never gives another process's adapter, of the same name and load count, its blocks
+        self._process = uuid.uuid4().hex[:12]
 
     # -- serving --------------------------------------------------------------------------------
     def load(self, name: str, path: str | Path, scale: float = 1.0) -> int:
@@ -103,7 +107,7 @@ class AdapterManager:
         site_of = {s["target"]: s["site"] for s in self.sites}
         sites = [(site_of[target], m.rank, m.scale * float(scale), np.ascontiguousarray(m.A, dtype=np.float32),
                   np.ascontiguousarray(m.B, dtype=np.float32)) for target, m in adapter.modules.items()]
-        return ServedAdapter(name, f"{name}#{next(self._loads)}", sites)
+        return ServedAdapter(name, f"{name}#{self._process}.{next(self._loads)}", sites)
 
     def install(self, adapter: ServedAdapter) -> int:
         """Serve an adapter ``read`` returned, resident now; returns its slot."""

@@ -369,7 +369,7 @@ class Scheduler:
         sampled = plan.sampled
         constrained = [(r, s) for r, s in enumerate(sampled) if s.request.grammar is not None
                        and s.status == RUNNING and s not in late] if self._special else ()
-        if constrained:                        # structured outputs: disallowed tokens masked (structured.py)
+        if constrained:                        # structured outputs: disallowed tokens masked (sampling/grammar.py)
             apply_masks(logits, constrained)
         for r, (seq, drawn) in enumerate(zip(sampled, draw_rows(logits, sampled, late, bool(self._special)))):
             if drawn is None:                  # late: not sampled this step

@@ -149,7 +149,7 @@ def test_amx_attention_compiles_natively(parts: int):
 
 
 def test_verification_rows_stay_on_the_vector_path():
-    """A verification step (1 + at most 32 drafted tokens, runtime/speculative.py) is below the
+    """A verification step (1 + at most 32 drafted tokens, runtime/spec/config.py) is below the
     threshold, so its rows get the bits one-row decode steps get (greedy speculation stays exact)."""
     from infeng_runtime.spec import SpeculativeConfig, SpeculativeError
 

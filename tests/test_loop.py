@@ -66,6 +66,21 @@ def test_an_adapter_unloaded_before_admission_is_a_404(artifact, adapter_dirs):
         loop.stop()
 
 
+def test_each_process_gives_an_adapter_its_own_prefix_namespace(artifact, adapter_dirs):
+    """Two servers (a restart) loading the same name get different prefix-cache namespaces, so a
+    prefix cache saved by one (--prefix-cache-dir) never hands the other's adapter its K/V."""
+    namespaces = []
+    for _ in range(2):
+        loop = EngineLoop(Engine(artifact, threads=1, max_seqs=2)).start()
+        try:
+            loop.load_adapter("a1", adapter_dirs["a1"]).result(30)
+            namespaces.append(loop.adapters.served["a1"].namespace)
+        finally:
+            loop.stop()
+    assert namespaces[0] != namespaces[1]
+    assert all(n.startswith("a1#") for n in namespaces)
+
+
 def test_adapter_files_are_read_without_the_loop_lock(artifact, adapter_dirs, monkeypatch):
     engine = Engine(artifact, threads=1, max_seqs=2)
     loop = EngineLoop(engine).start()

@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime/speculative.py and the scheduler's verification path).
+"""Speculative decoding (runtime/spec/, runtime/sampling/acceptance.py and the scheduler's verification path).
 
 - the rejection rule and the whole scheduler path are distribution-exact: chi-square over many
   seeds on a 6-token Markov "model" whose logits depend on the row's input token only;

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _isa import isa_params
 from _kernel_lib import KernelLib, rel_err
 
 from infeng_compiler.codegen import moe_kernels, quant_kernels  # noqa: F401  (they register their ops)
-from infeng_compiler.codegen.kernels import OPS, KernelSpec, op_template, simd_targets, template_isa, template_matrix_markdown
+from infeng_compiler.codegen.kernels import (OPS, KernelSpec, op_template, simd_targets, template_isa,
+                                             template_matrix_markdown)
 from infeng_compiler.codegen.target import runnable_targets
 
 RUNNABLE = runnable_targets()
@@ -47,7 +49,7 @@ def lora_specs(isa: str) -> list[KernelSpec]:
     return [KernelSpec.make("lora_apply", isa, K=K, N=N, R=R, slots=S) for K, N, R, S in LORA_CASES]
 
 
-@pytest.fixture(scope="module", params=RUNNABLE)
+@pytest.fixture(scope="module", params=isa_params(RUNNABLE))
 def lora_lib(request) -> KernelLib:
     return KernelLib(request.param, lora_specs(request.param))
 

@@ -262,7 +262,7 @@ def _check_attention(p: dict[str, Any]) -> None:
 
 
 #: Query rows of one sequence from which the amx attention takes the tiles (a run of them: a prefill
-#: chunk). Above the longest verification step (1 + 32 drafted tokens, runtime/speculative.py): the
+#: chunk). Above the longest verification step (1 + 32 drafted tokens, runtime/spec/config.py): the
 #: tile path sums other terms in another order (bf16 parts, per chunk), and a verification row must
 #: get the bits the one-row decode gets (greedy speculation is exact on native builds,
 #: tests/test_speculative.py), so verify and decode rows stay on the AVX-512 path. From 64 rows a

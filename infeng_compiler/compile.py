@@ -338,7 +338,11 @@ def compile_key(model: str | Path, options: CompileOptions, target: str) -> str:
     """The key of compiling ``model`` with ``options`` for ``target`` (``reuse.inputs_key``)."""
     path = Path(model)
     if path.is_file():                          # a .gguf/.onnx/.safetensors file: no need to open it
-        model_files = [path]
+        if path.suffix == ".onnx":              # its external data, whatever their names
+            beside = sorted(f for f in path.parent.iterdir() if f.is_file() and not f.name.startswith("."))
+        else:                                   # a .safetensors file's config and tokenizer
+            beside = model_dir_files(path.parent) if path.suffix == ".safetensors" else []
+        model_files = [path] + [f for f in beside if f != path]
     elif path.is_dir():
         model_files = model_dir_files(path)
     else:                                       # a hub id: resolved (from the local cache when it is there)

@@ -629,6 +629,9 @@ def compile_command(model: Optional[str] = typer.Argument(None, help="model dir,
                     profile: bool = typer.Option(False, "--profile", help="time every IR node (see infeng bench --profile)"),
                     timings: bool = typer.Option(False, "--timings", help="also show time per pass"),
                     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress display"),
+                    rebuild: bool = typer.Option(False, "--rebuild",
+                                                 help="compile afresh, not copying an unchanged artifact built "
+                                                      "from the same inputs (--replay always does)"),
                     lora: list[str] = LORA, merge: list[str] = MERGE, max_adapters: int = MAX_ADAPTERS,
                     max_rank: Optional[int] = MAX_RANK, lora_targets: Optional[str] = LORA_TARGETS,
                     tokenizer: Optional[Path] = TOKENIZER,
@@ -655,7 +658,8 @@ def compile_command(model: Optional[str] = typer.Argument(None, help="model dir,
                                   act_precision, dump_ir=dump_ir, profile=profile)
     with progress_bar(quiet=quiet) as bar:
         display = StageDisplay(bar)
-        summary = compile_model(model, output, options, stage=display.stage, progress=display.progress)
+        summary = compile_model(model, output, options, stage=display.stage, progress=display.progress,
+                                reuse=replay is None and not rebuild)
     table = Table(show_header=False)
     table.add_row("target", summary.target)
     table.add_row("pipeline", summary.pipeline)

@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import functools
-import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -34,6 +31,8 @@ from .passes.manager import PassContext, PassManager, PassRecord, Phase, format_
 from .passes.pipeline import build_pipeline
 from .passes.quantize import QuantReport, quant_layout
 from .quant.formats import get_format, is_quantized
+from .reuse import (artifact_cache_root, copy_built, find_built, inputs_key, model_dir_files, record_built,
+                    written_files)
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_BLOCK_SIZE = 16
@@ -205,15 +204,47 @@ def _all_finite_stored(weight) -> bool:
     return bool(np.isfinite(weight.numpy_f32()).all())
 
 
+def _reuse_built(built: Path, out_dir: Path, key: str) -> CompileSummary | None:
+    """``out_dir`` as a copy of the artifact ``built`` (nothing written when it is ``out_dir``), and
+    the summary its manifest gives; None when it could not be copied (then compile afresh)."""
+    if built != out_dir.resolve():
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        if not copy_built(built, staging):
+            shutil.rmtree(staging, ignore_errors=True)
+            return None
+        files = written_files(staging)
+        _swap_into_place(staging, out_dir)
+        record_built(key, out_dir, files)
+    manifest = read_manifest(out_dir)
+    kv = manifest["kv"]
+    quant = QuantReport.from_dict(manifest["quant"]) if "quant" in manifest else None
+    return CompileSummary(out_dir, manifest["target"], manifest["pipeline"], manifest["weights_bytes"],
+                          len(manifest["kernels"]), True, {}, [], quant, kv["bytes_per_token"],
+                          bool(kv.get("k_centred")))
+
+
 def compile_model(model: str | Path, out_dir: str | Path, options: CompileOptions,
                   stage: Callable[[str], None] = lambda name: None,
-                  progress: Callable[[int, int], None] | None = None) -> CompileSummary:
-    """Compile ``model`` into the artifact directory ``out_dir`` (replaced atomically)."""
+                  progress: Callable[[int, int], None] | None = None, reuse: bool = True) -> CompileSummary:
+    """Compile ``model`` into the artifact directory ``out_dir`` (replaced atomically). With ``reuse``
+    (and no ``dump_ir``), an artifact built before from the same inputs, options and compiler and
+    unchanged since (``reuse.py``) is copied instead (left as it is when it is ``out_dir``)."""
     out_dir = Path(out_dir)
     if out_dir.is_file() or out_dir.is_symlink():
         raise InfengError(f"{out_dir}: exists and is not an artifact directory; give another -o")
     target = get_target(options.target)
     stages: dict[str, float] = {}
+    key = None
+    if reuse and options.dump_ir is None:
+        start = time.perf_counter()
+        stage("reuse")
+        key = compile_key(model, options, target.name)
+        built = find_built(key)
+        if built is not None and (reused := _reuse_built(built, out_dir, key)) is not None:
+            reused.stages["reuse"] = time.perf_counter() - start
+            return reused
+        stages["key"] = time.perf_counter() - start
 
     def timed(name: str, fn: Callable):
         stage(name)
@@ -285,29 +316,16 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
                                     "changed": r.changed, "seconds": round(r.seconds, 4)} for r in manager.records]},
         }
         write_manifest(staging, manifest)
+        files = written_files(staging)
         _swap_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if key is not None:
+        record_built(key, out_dir, files)
     return CompileSummary(out_dir, target.name, format_pipeline(pipeline), lowered.weights_bytes,
                           len(lowered.specs), build.cache_hit, stages, manager.records, quant,
                           manifest["kv"]["bytes_per_token"], bool(manifest["kv"].get("k_centred")))
-
-
-@functools.lru_cache(maxsize=1)
-def compiler_fingerprint() -> str:
-    """A hash of the compiler's code (its Python modules, the templates, the shared package): a
-    cached artifact from another version of any of them is never reused."""
-    import infeng_common
-    import infeng_templates
-
-    h = hashlib.sha256(__version__.encode())
-    for package in (Path(__file__).parent, Path(infeng_templates.__file__).parent,
-                    Path(infeng_common.__file__).parent):
-        for path in sorted(package.rglob("*")):
-            if path.suffix in (".py", ".j2", ".h", ".c") and path.is_file():
-                h.update(path.name.encode() + path.read_bytes())
-    return h.hexdigest()
 
 
 def search_cache_root() -> Path:
@@ -316,36 +334,31 @@ def search_cache_root() -> Path:
     return cache_root().parent / "search"
 
 
-def artifact_cache_root() -> Path:
-    """Where ``cached_artifact`` keeps compiled models: beside the build cache."""
-    return cache_root().parent / "artifacts"
+def compile_key(model: str | Path, options: CompileOptions, target: str) -> str:
+    """The key of compiling ``model`` with ``options`` for ``target`` (``reuse.inputs_key``)."""
+    path = Path(model)
+    if path.is_file():                          # a .gguf/.onnx/.safetensors file: no need to open it
+        if path.suffix == ".onnx":              # its external data, whatever their names
+            beside = sorted(f for f in path.parent.iterdir() if f.is_file() and not f.name.startswith("."))
+        else:                                   # a .safetensors file's config and tokenizer
+            beside = model_dir_files(path.parent) if path.suffix == ".safetensors" else []
+        model_files = [path] + [f for f in beside if f != path]
+    elif path.is_dir():
+        model_files = model_dir_files(path)
+    else:                                       # a hub id: resolved (from the local cache when it is there)
+        source = model_source(model, options.tokenizer)
+        model_files = list(source.files) + ([] if source.tokenizer_dir is None
+                                            else model_dir_files(source.tokenizer_dir))
+    return inputs_key(model_files, options, target)
 
 
 def cached_artifact(model: str | Path, options: CompileOptions, stage: Callable[[str], None] = lambda name: None,
                     progress: Callable[[int, int], None] | None = None) -> tuple[Path, bool]:
-    """``model`` compiled with ``options``, from the content-addressed artifact cache (compiled into
-    it on a miss): (artifact directory, cache hit). The key names every input: the model's files,
-    adapters, calibration text and policy (path, size, modification time), the options, the target
-    and this compiler's code (``compiler_fingerprint``); a hit is an artifact whose files still
-    have the sizes it recorded."""
-    path = Path(model)
-    if path.is_file():                          # a .gguf/.onnx/.safetensors file: no need to open it
-        model_files = [path]
-    elif path.is_dir():
-        model_files = sorted(f for f in path.iterdir() if f.suffix in (".json", ".safetensors", ".gguf")
-                             and f.is_file())
-    else:                                       # a hub id: resolved (from the local cache when it is there)
-        model_files = list(model_source(model, options.tokenizer).files)
-    inputs = model_files + [p for d in options.lora.values() for p in sorted(Path(d).glob("adapter_*"))]
-    inputs += [p for p in (options.calib, options.quant_policy, options.tokenizer) if p is not None]
-    stats = []
-    for path in inputs:
-        info = Path(path).stat()
-        stats.append([str(Path(path).resolve()), info.st_size, info.st_mtime_ns])
-    described = {"infeng": compiler_fingerprint(), "target": get_target(options.target).name, "files": stats,
-                 "options": {k: str(v) for k, v in sorted(vars(options).items()) if k not in ("dump_ir", "target")}}
-    key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
-    out = artifact_cache_root() / f"{path.stem or 'model'}-{key}.infeng"
+    """``model`` compiled with ``options``, from the artifact cache (compiled into it on a miss):
+    (artifact directory, cache hit). The key is ``compile_key``'s; a hit is an artifact whose
+    manifest still reads."""
+    key = compile_key(model, options, get_target(options.target).name)
+    out = artifact_cache_root() / f"{Path(model).stem or 'model'}-{key}.infeng"
     if is_artifact(out):
         try:
             read_manifest(out)

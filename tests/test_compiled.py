@@ -8,6 +8,8 @@ vdpbf16ps rounding activations to bf16), plus the cast pass's own tolerance agai
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -142,8 +144,31 @@ def test_stories260k_perplexity(compiled, stories_dir, assets):
 def test_second_compile_hits_the_cache(tmp_path, stories_dir):
     options = CompileOptions(target="native")
     compile_model(stories_dir, tmp_path / "a.infeng", options)
-    again = compile_model(stories_dir, tmp_path / "b.infeng", options)
-    assert again.cache_hit
+    again = compile_model(stories_dir, tmp_path / "b.infeng", options, reuse=False)
+    assert again.cache_hit and "build" in again.stages
+
+
+def test_recompile_copies_the_unchanged_artifact(tmp_path, stories_dir):
+    """A recompile from the same inputs copies the artifact built before (same bytes, no passes), but
+    not once that artifact or an input changed since (size, modification time: infeng_compiler/reuse.py)."""
+    model = tmp_path / "model"
+    shutil.copytree(stories_dir, model)
+    options = CompileOptions(target="native")
+    first = compile_model(model, tmp_path / "a.infeng", options)
+    assert "passes" in first.stages
+    again = compile_model(model, tmp_path / "b.infeng", options)
+    assert list(again.stages) == ["reuse"] and again.pipeline == first.pipeline
+    for name in ("weights.bin", "libmodel.so", "manifest.json", "ir.txt"):
+        assert (tmp_path / "a.infeng" / name).read_bytes() == (tmp_path / "b.infeng" / name).read_bytes()
+    in_place = compile_model(model, tmp_path / "b.infeng", options)       # nothing to write
+    assert list(in_place.stages) == ["reuse"]
+    with open(tmp_path / "b.infeng" / "weights.bin", "ab") as f:          # the recorded artifact edited
+        f.write(b"\0")
+    assert "passes" in compile_model(model, tmp_path / "c.infeng", options).stages
+    weights = model / "model.safetensors"
+    stamp = weights.stat()
+    os.utime(weights, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000_000))    # an input touched
+    assert "passes" in compile_model(model, tmp_path / "d.infeng", options).stages
 
 
 def test_missing_isa_is_a_clear_error(compiled, monkeypatch):

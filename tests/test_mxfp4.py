@@ -209,7 +209,7 @@ def test_compiled_mxfp4_linears_match_interpreter(stories_dir, tmp_path, monkeyp
 
     monkeypatch.setattr(compile_module, "run_pipeline", with_mxfp4)
     out = tmp_path / "m.infeng"
-    compile_module.compile_model(stories_dir, out, compile_module.CompileOptions())
+    compile_module.compile_model(stories_dir, out, compile_module.CompileOptions(), reuse=False)   # runs the pipeline
     manifest = (out / "manifest.json").read_text()
     assert f"linear_mxfp4_k64_n64_{act}" in manifest and '"format": "mxfp4"' in manifest
     ids = np.array([1, 45, 300, 12, 7, 99, 250, 3, 60, 411, 5], np.int32)

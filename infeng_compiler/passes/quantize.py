@@ -108,6 +108,14 @@ class QuantReport:
         return {"scheme": self.scheme, "calib_tokens": self.calib_tokens, "by_format": self.by_format(),
                 "tensors": [t.as_dict() for t in self.tensors], "awq": self.awq}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantReport:
+        """The report ``as_dict`` wrote (a manifest's ``quant``)."""
+        tensors = [TensorReport(t["name"], t["format"], tuple(t["shape"]), t["nbytes"], t["rule"],
+                                tuple(t["padded"]) if t.get("padded") else None, t.get("fallback_from"))
+                   for t in d["tensors"]]
+        return cls(d["scheme"], tensors, d["awq"], d["calib_tokens"])
+
 
 class Quantize:
     name = "quantize"

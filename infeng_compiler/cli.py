@@ -17,7 +17,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from infeng_common.errors import InfengError
-from infeng_runtime.engine import DEFAULT_MAX_SEQS
+from infeng_runtime.api.options import ServeOptions
+from infeng_runtime.ray_options import RayServeConfig
+
+from .cli_params import OptionGroup, parse_named_paths, takes
 
 
 class _ReadableParams:
@@ -601,19 +604,6 @@ def _finished(r, source: object):
     return r
 
 
-def parse_named_paths(items: list[str], option: str) -> dict[str, Path]:
-    """``["med=./lora"]`` -> ``{"med": Path("./lora")}``, refusing malformed or repeated names."""
-    named: dict[str, Path] = {}
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise InfengError(f"{option} {item!r}: expected NAME=DIR")
-        if name in named:
-            raise InfengError(f"{option}: adapter name {name!r} given twice")
-        named[name] = Path(path)
-    return named
-
-
 @app.command("compile")
 @fails_cleanly
 def compile_command(model: Optional[str] = typer.Argument(None, help="model dir, .safetensors, .onnx, .gguf or Hub "
@@ -710,33 +700,6 @@ def quant_table(report):
 SPECULATIVE = typer.Option(None, "--speculative",
                            help="draft and verify several tokens per step: ngram (prompt lookup), "
                                 "draft:ARTIFACT (a smaller model, same tokenizer); :K caps the draft length")
-
-
-#: Options `serve` and `serve-ray` share (each replica of serve-ray takes them as `serve` does).
-PORT = typer.Option(8000, "--port", help="TCP port to listen on")
-MAX_CONTEXT = typer.Option(None, "--max-context",
-                           help="tokens per sequence; with --max-seqs it fixes the KV pool (default: the model's, "
-                                "cut to what the default pool holds)")
-SERVED_MODEL_NAME = typer.Option(None, "--served-model-name", help="the base model's id in the API")
-MAX_REQUEST_BYTES = typer.Option("4MiB", "--max-request-bytes", help="largest request body (413 beyond it)")
-NO_PREFIX_CACHE = typer.Option(False, "--no-prefix-cache", help="never share KV blocks")
-TRUST_REQUEST_CHAT_TEMPLATE = typer.Option(False, "--trust-request-chat-template",
-                                           help="run chat templates sent by clients")
-SHUTDOWN_TIMEOUT = typer.Option(30.0, "--shutdown-timeout",
-                                help="seconds running requests get to finish on SIGTERM/SIGINT")
-LOG_FORMAT = typer.Option("text", "--log-format", help="text (key=value) or json")
-GRAMMAR_TIMEOUT = typer.Option(5.0, "--grammar-timeout",
-                               help="seconds one grammar may take to compile (its compiler process is killed "
-                                    "past it; 400)")
-GRAMMAR_MASK_TIMEOUT = typer.Option(5.0, "--grammar-mask-timeout",
-                                    help="seconds one next-token mask of a grammar may take (the sequence ends "
-                                         "with an error past it)")
-MAX_GRAMMAR_BYTES = typer.Option("64KiB", "--max-grammar-bytes",
-                                 help="largest grammar, regex, JSON schema or choice list (400 beyond it)")
-LOG_LEVEL = typer.Option("info", "--log-level", help="trace, debug, info, warning, error or critical")
-ALWAYS_INCLUDE_USAGE = typer.Option(False, "--always-include-usage",
-                                    help="end every stream with a usage chunk, whether or not the request asks "
-                                         "(vLLM's --enable-force-include-usage)")
 
 
 @app.command("run")
@@ -848,56 +811,21 @@ def chat_command(model: str = typer.Argument(..., help="compiled artifact, or a 
     llm.close()
 
 
-def parse_size(text: str, option: str) -> int:
-    """``"512MiB"``, ``"2G"``, ``"1000000"`` -> bytes (k/M/G are powers of 1000, Ki/Mi/Gi of 1024)."""
-    import re
-
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmg])(i?))?b?\s*", text.lower())
-    if not m:
-        raise InfengError(f"{option} {text!r}: expected a size such as 512MiB, 2GiB or a number of bytes")
-    power = "kmg".index(m.group(2)) + 1 if m.group(2) else 0
-    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+#: What ``serve`` offers of ``ServeOptions``: all of it; ``serve-ray`` offers these per replica (its
+#: replicas' threads are ``--threads-per-replica``).
+SERVE = OptionGroup(ServeOptions, panel="Server")
+RAY_REPLICA = OptionGroup(ServeOptions, panel="Each replica",
+                          only=("host", "port", "max_seqs", "max_context", "max_queue", "served_model_name",
+                                "api_key", "max_request_bytes", "kv_memory", "max_batched_tokens", "prefix_cache",
+                                "trust_request_chat_template", "shutdown_timeout", "always_include_usage",
+                                "log_format", "log_level", "speculative", "adapters"))
 
 
 @app.command("serve")
 @fails_cleanly
+@takes(SERVE)
 def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
                                                            "compiled into the artifact cache first"),
-                  adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
-                                                     help="serve a LoRA adapter as model NAME (repeatable)"),
-                  host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback: this machine only)"),
-                  port: int = PORT,
-                  threads: int = typer.Option(0, "--threads", help="0 = one per physical core"),
-                  max_seqs: int = typer.Option(DEFAULT_MAX_SEQS, "--max-seqs",
-                                               help="sequences batched together (KV slots)"),
-                  max_context: Optional[int] = MAX_CONTEXT,
-                  kv_memory: Optional[str] = typer.Option(None, "--kv-memory",
-                                                          help="KV pool size, e.g. 512MiB, committed as it is used "
-                                                               "(default: max-seqs x max-context, at most half the "
-                                                               "memory available)"),
-                  max_queue: int = typer.Option(256, "--max-queue",
-                                                help="waiting sequences before requests get 429"),
-                  max_batched_tokens: Optional[int] = typer.Option(None, "--max-batched-tokens",
-                                                                   help="token budget per step (default: the "
-                                                                        "library's max tokens per call)"),
-                  no_prefix_cache: bool = NO_PREFIX_CACHE,
-                  served_model_name: Optional[str] = SERVED_MODEL_NAME,
-                  api_key: Optional[str] = typer.Option(None, "--api-key", envvar="INFENG_API_KEY",
-                                                        help="require 'Authorization: Bearer KEY' on /v1 (prefer "
-                                                             "the INFENG_API_KEY environment variable)"),
-                  adapter_root: list[Path] = typer.Option([], "--adapter-root",
-                                                          help="allow POST /v1/adapters to load adapter "
-                                                               "directories under DIR (repeatable; off without it)"),
-                  trust_request_chat_template: bool = TRUST_REQUEST_CHAT_TEMPLATE,
-                  max_request_bytes: str = MAX_REQUEST_BYTES,
-                  shutdown_timeout: float = SHUTDOWN_TIMEOUT,
-                  log_format: str = LOG_FORMAT,
-                  log_level: str = LOG_LEVEL,
-                  always_include_usage: bool = ALWAYS_INCLUDE_USAGE,
-                  grammar_timeout: float = GRAMMAR_TIMEOUT,
-                  grammar_mask_timeout: float = GRAMMAR_MASK_TIMEOUT,
-                  max_grammar_bytes: str = MAX_GRAMMAR_BYTES,
-                  speculative: Optional[str] = SPECULATIVE,
                   target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
                   max_adapters: Optional[int] = typer.Option(None, "--max-adapters", min=0,
                                                              help="LoRA slots when compiling MODEL (default: 4 with "
@@ -906,40 +834,20 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
                   quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                   calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
                   kv: KVScheme = KV, kv_window: int = KV_WINDOW,
-                  act_precision: Optional[ActPrecision] = ACT_PRECISION,
-                  no_ui: bool = typer.Option(False, "--no-ui", help="no chat page at / (the API alone)"),
-                  prefix_cache_dir: Optional[Path] = typer.Option(None, "--prefix-cache-dir",
-                                                                  help="save the prefix cache here at shutdown and "
-                                                                       "load it at start (docs/serving.md)"),
-                  warmup: bool = typer.Option(False, "--warmup", help="run a step of every shape before the port "
-                                                                     "opens")):
+                  act_precision: Optional[ActPrecision] = ACT_PRECISION, **values):
     """Serve MODEL over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics)
     and a chat page at / (docs/web.md).
 
     A model that is not an artifact is compiled first with the compile options, into a
     content-addressed cache: the next start with the same model and options reuses it."""
-    from infeng_runtime.server import ServeOptions, serve
+    from infeng_runtime.server import serve
 
+    options = ServeOptions(**SERVE.values(values))
     if max_adapters is None:
-        max_adapters = max(4, len(adapter)) if adapter or adapter_root else 0
+        max_adapters = max(4, len(options.adapters)) if options.adapters or options.adapter_roots else 0
+    options.check()
     artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
                                  quant_policy, calib, calib_max_bytes, kv, kv_window, act_precision)
-    options = ServeOptions(host=host, port=port, threads=threads, max_seqs=max_seqs, max_context=max_context,
-                           kv_memory=parse_size(kv_memory, "--kv-memory") if kv_memory else None,
-                           max_waiting=max_queue, max_batched_tokens=max_batched_tokens,
-                           prefix_cache=not no_prefix_cache, served_model_name=served_model_name,
-                           adapters=parse_named_paths(adapter, "--adapter"), log_level=log_level,
-                           log_format=log_format, api_key=api_key, adapter_roots=list(adapter_root),
-                           trust_request_chat_template=trust_request_chat_template,
-                           max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
-                           shutdown_timeout=shutdown_timeout, always_include_usage=always_include_usage,
-                           grammar_timeout=grammar_timeout, grammar_mask_timeout=grammar_mask_timeout,
-                           max_grammar_bytes=parse_size(max_grammar_bytes, "--max-grammar-bytes"), ui=not no_ui,
-                           prefix_cache_dir=prefix_cache_dir, warmup=warmup)
-    from infeng_runtime.spec import parse_speculative
-
-    options.speculative = parse_speculative(speculative)
-    options.check()
     serve(artifact, options)
 
 
@@ -970,53 +878,11 @@ def _serving_artifact(model: str | Path, target: str, dtype: DType | None, max_t
 
 @app.command("serve-ray")
 @fails_cleanly
+@takes(OptionGroup(RayServeConfig, panel="Replicas"), RAY_REPLICA)
 def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact, or a model compiled into the "
                                                                "artifact cache first (every node must see the path)"),
-                      replicas: int = typer.Option(1, "--replicas", help="engine replicas (the initial count when "
-                                                                          "autoscaling)"),
-                      min_replicas: Optional[int] = typer.Option(None, "--min-replicas",
-                                                                 help="autoscale down to this many replicas"),
-                      max_replicas: Optional[int] = typer.Option(None, "--max-replicas",
-                                                                 help="autoscale up to this many replicas"),
-                      target_ongoing_requests: Optional[float] = typer.Option(
-                          None, "--target-ongoing-requests",
-                          help="autoscaling target of requests in flight per replica (default: --max-seqs)"),
-                      threads_per_replica: int = typer.Option(1, "--threads-per-replica",
-                                                              help="CPUs Ray reserves per replica = its threads"),
                       address: Optional[str] = typer.Option(None, "--address",
                                                             help="join this Ray cluster (default: start one here)"),
-                      adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
-                                                         help="a LoRA adapter requests may name as model NAME "
-                                                              "(repeatable)"),
-                      adapters_per_replica: Optional[int] = typer.Option(
-                          None, "--adapters-per-replica",
-                          help="adapters resident per replica, least recently used evicted (default: the "
-                               "artifact's slots)"),
-                      router_replicas: int = typer.Option(1, "--router-replicas",
-                                                          help="replicas of the router (the HTTP ingress; e.g. "
-                                                               "one per node)"),
-                      host: str = typer.Option("127.0.0.1", "--host", help="bind address of Ray's HTTP proxy"),
-                      port: int = PORT,
-                      max_seqs: int = typer.Option(DEFAULT_MAX_SEQS, "--max-seqs",
-                                                   help="sequences batched per replica"),
-                      max_context: Optional[int] = MAX_CONTEXT,
-                      max_queue: int = typer.Option(256, "--max-queue",
-                                                    help="waiting sequences per replica before 429"),
-                      served_model_name: Optional[str] = SERVED_MODEL_NAME,
-                      api_key: Optional[str] = typer.Option(None, "--api-key", envvar="INFENG_API_KEY",
-                                                            help="require 'Authorization: Bearer KEY' on /v1"),
-                      max_request_bytes: str = MAX_REQUEST_BYTES,
-                      kv_memory: Optional[str] = typer.Option(None, "--kv-memory",
-                                                              help="KV pool size per replica, e.g. 512MiB"),
-                      max_batched_tokens: Optional[int] = typer.Option(None, "--max-batched-tokens",
-                                                                       help="token budget per step"),
-                      no_prefix_cache: bool = NO_PREFIX_CACHE,
-                      trust_request_chat_template: bool = TRUST_REQUEST_CHAT_TEMPLATE,
-                      shutdown_timeout: float = SHUTDOWN_TIMEOUT,
-                      always_include_usage: bool = ALWAYS_INCLUDE_USAGE,
-                      log_format: str = LOG_FORMAT,
-                      log_level: str = LOG_LEVEL,
-                      speculative: Optional[str] = SPECULATIVE,
                       target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
                       max_adapters: Optional[int] = typer.Option(None, "--max-adapters", min=0,
                                                                  help="LoRA slots when compiling MODEL (default: 4 "
@@ -1025,37 +891,25 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
                       quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
                       calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
                       kv: KVScheme = KV, kv_window: int = KV_WINDOW,
-                      act_precision: Optional[ActPrecision] = ACT_PRECISION):
+                      act_precision: Optional[ActPrecision] = ACT_PRECISION, **values):
     """Serve MODEL on Ray Serve: engine replicas behind one OpenAI router.
 
     Adapters are placed on replicas by Ray's model multiplexing, replicas autoscale on requests in
     flight (docs/scale-out.md). Starts a Ray cluster here, or joins --address (or $RAY_ADDRESS);
     serves until SIGINT/SIGTERM. Each replica takes the options of `infeng serve`."""
     try:
-        from infeng_runtime.ray_serve import RayServeConfig, deploy
+        from infeng_runtime.ray_serve import deploy
     except ImportError as e:
         raise InfengError(f"serve-ray needs Ray Serve: pip install 'infeng[ray]' ({e})") from None
-    from infeng_runtime.server import ServeOptions
 
+    ray_values = OptionGroup(RayServeConfig).values(values)
+    options = ServeOptions(**RAY_REPLICA.values(values), threads=ray_values["threads_per_replica"])
     if max_adapters is None:
-        max_adapters = max(4, len(adapter)) if adapter else 0
+        max_adapters = max(4, len(options.adapters)) if options.adapters else 0
+    options.check()
     artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
                                  quant_policy, calib, calib_max_bytes, kv, kv_window, act_precision)
-    from infeng_runtime.spec import parse_speculative
-
-    options = ServeOptions(host=host, port=port, threads=threads_per_replica, max_seqs=max_seqs,
-                           max_context=max_context, max_waiting=max_queue, served_model_name=served_model_name,
-                           adapters=parse_named_paths(adapter, "--adapter"), api_key=api_key,
-                           max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
-                           kv_memory=parse_size(kv_memory, "--kv-memory") if kv_memory else None,
-                           max_batched_tokens=max_batched_tokens, prefix_cache=not no_prefix_cache,
-                           trust_request_chat_template=trust_request_chat_template,
-                           shutdown_timeout=shutdown_timeout, always_include_usage=always_include_usage,
-                           speculative=parse_speculative(speculative), log_level=log_level, log_format=log_format)
-    config = RayServeConfig(artifact, options, replicas=replicas, min_replicas=min_replicas,
-                            max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
-                            threads_per_replica=threads_per_replica, adapters_per_replica=adapters_per_replica,
-                            router_replicas=router_replicas)
+    config = RayServeConfig(artifact, options, **ray_values)
     config.check()
     deploy(config, address=address)
 
@@ -1347,7 +1201,7 @@ def run_batch_command(
     artifact = _serving_artifact(model, target, dtype, 256, max_adapters, None, None, quant, None, None, None, kv, 0)
     concurrency = max_concurrency or max_seqs
     options = ServeOptions(threads=threads, max_seqs=max_seqs, max_context=max_context,
-                           max_waiting=max(256, concurrency), served_model_name=served_model_name,
+                           max_queue=max(256, concurrency), served_model_name=served_model_name,
                            adapters=parse_named_paths(adapter, "--adapter"), log_level="warning")
     server = build_server(artifact, options)
     if warmup:

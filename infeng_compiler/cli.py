@@ -21,6 +21,7 @@ from infeng_runtime.api.options import ServeOptions
 from infeng_runtime.ray_options import RayServeConfig
 
 from .cli_params import OptionGroup, parse_named_paths, takes
+from .options import CompileOptions
 
 
 class _ReadableParams:
@@ -169,83 +170,43 @@ class IRFormat(str, Enum):
     model_explorer = "model-explorer"
 
 
-class DType(str, Enum):
-    f32 = "f32"
-    f16 = "f16"
-    bf16 = "bf16"
+#: The compile options of each command that compiles (``CompileOptions``' declarations). The
+#: serving commands choose ``--max-adapters`` themselves (its default follows their adapters).
+COMPILE = OptionGroup(CompileOptions, panel="Compile")
+PIPELINE = OptionGroup(CompileOptions, skip=("dump_ir", "profile"), panel="Compile pipeline")
+SERVE_COMPILE = OptionGroup(CompileOptions, panel="Compile (a MODEL that is not an artifact)",
+                            skip=("passes", "dump_ir", "profile", "lora", "merge", "max_adapters", "lora_targets"))
+CHAT_COMPILE = OptionGroup(CompileOptions, only=("target", "dtype", "max_rank", "tokenizer", "quant", "kv"),
+                           panel="Compile (a MODEL that is not an artifact)")
+BATCH_COMPILE = OptionGroup(CompileOptions, only=("target", "dtype", "quant", "kv"),
+                            panel="Compile (a MODEL that is not an artifact)")
+EVAL_QUANT = OptionGroup(CompileOptions, only=("tokenizer", "quant", "quant_policy", "calib", "calib_max_bytes"),
+                         panel="A model directory (interpreter)")
 
 
-class KVScheme(str, Enum):
-    f32 = "f32"
-    f16 = "f16"
-    int8 = "int8"
-    int4 = "int4"
-    fht_int8 = "fht-int8"
-    fht_int4 = "fht-int4"
+def compile_options(group: OptionGroup, values: dict, **fixed) -> CompileOptions:
+    """``CompileOptions`` from a command's ``group`` parameters (and ``fixed`` fields), checked."""
+    options = CompileOptions(**group.values(values), **fixed)
+    options.check()
+    return options
 
 
-class QuantPreset(str, Enum):
-    int8 = "int8"
-    int4 = "int4"
-    fp8 = "fp8"
+def serving_max_adapters(given: int | None, adapters: int, loads_adapters: bool = False) -> int:
+    """LoRA slots a serving command compiles MODEL with: ``--max-adapters``, or 4 (at least one per
+    ``--adapter``) when it serves adapters, else none."""
+    if given is not None:
+        return given
+    return max(4, adapters) if adapters or loads_adapters else 0
 
 
-# The compile options, shared by ``compile`` and ``ir`` (which runs the same pipeline).
-TARGET = typer.Option("native", "--target", help="native (the best this CPU runs), scalar, avx2, avx2-vnni, avx512, "
-                                                  "avx512-vnni, avx512-bf16, amx (tiles for many-row steps), amx-emu "
-                                                  "(the amx kernels, tile instructions emulated in C: tests only)")
-DTYPE = typer.Option(None, "--dtype", help="weight storage for matrices (default f32; given, it also widens "
-                                            "a GGUF's Q8_0/Q4_0/Q4_1 matrices, which are kept exact otherwise)")
-PASSES = typer.Option(None, "--passes", help="explicit pass pipeline")
-MAX_TOKENS = typer.Option(256, "--max-tokens", min=1, help="most token rows per forward call")
-LORA = typer.Option([], "--lora", metavar="NAME=DIR", help="a PEFT LoRA adapter (repeatable)")
-MERGE = typer.Option([], "--merge", metavar="NAME", help="fold adapter NAME into the weights")
-MAX_ADAPTERS = typer.Option(0, "--max-adapters", min=0, help="LoRA slots for adapters loaded at run time")
-MAX_RANK = typer.Option(None, "--max-rank", min=1, help="max LoRA rank per slot (default: 16, or the largest "
-                                                          "--lora adapter's rank above it)")
-LORA_TARGETS = typer.Option(None, "--lora-targets", help="modules with slots, e.g. q_proj+v_proj (default: all)")
-TOKENIZER = typer.Option(None, "--tokenizer", help="tokenizer/config dir (an ONNX model has none)")
-QUANT = typer.Option(None, "--quant", help="quantize the weights: int8, int4 or fp8")
-QUANT_POLICY = typer.Option(None, "--quant-policy", help="per-tensor formats (JSON, see docs/quantization.md)")
-CALIB = typer.Option(None, "--calib", help="calibration text (--quant: AWQ + clipping; int8/int4 --kv: K centring)")
-CALIB_MAX_BYTES = typer.Option(None, "--calib-max-bytes", help="use only the first N bytes of --calib")
-KV = typer.Option(KVScheme.f32, "--kv", help="KV cache format (fht-: Hadamard-rotated; docs/kv-cache.md)")
-KV_WINDOW = typer.Option(0, "--kv-window", min=0, help="keep each sequence's last N tokens in f16 (int8/int4 --kv)")
-ACT_PRECISION = typer.Option(None, "--act-precision", metavar="MODE",
-                             help="activations that integer (4/8-bit) weights multiply: int8 (the default; every "
-                                  "step), f32 (every step: as transformers on the dequantized file), auto (f32 for "
-                                  "steps of few token rows, int8 for prefill); docs/quantization.md")
-
-
-class ActPrecision(str, Enum):
-    int8 = "int8"
-    f32 = "f32"
-    auto = "auto"
-
-
-def compile_options(target: str, dtype: DType | None, passes: str | None, max_tokens: int, lora: list[str],
-                    merge: list[str], max_adapters: int, max_rank: int | None, lora_targets: str | None,
-                    tokenizer: Path | None,
-                    quant: QuantPreset | None, quant_policy: Path | None, calib: Path | None,
-                    calib_max_bytes: int | None, kv: KVScheme, kv_window: int,
-                    act_precision: ActPrecision | None = None, **rest):
-    """``CompileOptions`` from the shared options (``rest``: dump_ir, profile)."""
-    from .compile import CompileOptions
-
-    adapters = parse_named_paths(lora, "--lora")
-    unknown = [m for m in merge if m not in adapters]
-    if unknown:
-        raise InfengError(f"--merge {unknown[0]}: no adapter of that name; give it with --lora {unknown[0]}=DIR")
-    return CompileOptions(target=target, dtype=dtype.value if dtype else None, passes=passes, max_tokens=max_tokens, lora=adapters,
-                          merge=list(merge), max_adapters=max_adapters, max_rank=max_rank or 0,
-                          lora_targets=lora_targets or "",
-                          tokenizer=tokenizer, quant=quant.value if quant else None, quant_policy=quant_policy,
-                          calib=calib, calib_max_bytes=calib_max_bytes, kv=kv.value, kv_window=kv_window,
-                          act_precision=act_precision.value if act_precision else None, **rest)
+#: ``--max-adapters`` of the commands that serve what they compile.
+SERVING_MAX_ADAPTERS = typer.Option(None, "--max-adapters", min=0, rich_help_panel=SERVE_COMPILE.panel,
+                                    help="LoRA slots when compiling MODEL (default: 4 with --adapter, else none)")
 
 
 @app.command("ir")
 @fails_cleanly
+@takes(PIPELINE)
 def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .onnx, .gguf, Hub id org/name[@rev] "
                                                        "or an artifact"),
                format: IRFormat = typer.Option(IRFormat.text, "--format",
@@ -263,14 +224,7 @@ def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .
                                                         "pass, a compile pass), after a compile phase (model, "
                                                         "storage, fusion, memory), after lowering (lower), or after "
                                                         "each pass (all)"),
-               target: str = TARGET, dtype: Optional[DType] = DTYPE, passes: Optional[str] = PASSES, max_tokens: int = MAX_TOKENS,
-               lora: list[str] = LORA, merge: list[str] = MERGE, max_adapters: int = MAX_ADAPTERS,
-               max_rank: Optional[int] = MAX_RANK, lora_targets: Optional[str] = LORA_TARGETS,
-               tokenizer: Optional[Path] = TOKENIZER,
-               quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
-               calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
-               kv: KVScheme = KV, kv_window: int = KV_WINDOW,
-               act_precision: Optional[ActPrecision] = ACT_PRECISION):
+               **values):
     """Print MODEL's IR: as imported, after any pass of its compile pipeline, or lowered to kernel calls.
 
     The compile options choose the pipeline, as with `infeng compile`; no C is built. With `--after all`
@@ -278,13 +232,12 @@ def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .
     IR explorer (docs/web.md) instead: every stage, the diffs, each node's kernels and their C source."""
     from infeng_common.manifest import is_artifact
 
+    options = compile_options(PIPELINE, values)
     if html is not None or format == IRFormat.model_explorer:
         if after is not None:
             raise InfengError("--html and --format model-explorer show every stage and the lowered graph; "
                               "leave out --after")
-        _write_explorer(model, compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank,
-                                               lora_targets, tokenizer, quant, quant_policy, calib, calib_max_bytes,
-                                               kv, kv_window, act_precision), html, format, output, node_profile)
+        _write_explorer(model, options, html, format, output, node_profile)
         return
     from .compile import run_pipeline
     from .ir import print_graph
@@ -300,8 +253,6 @@ def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .
             raise InfengError(f"{model}: is a compiled artifact; it keeps its final IR only (ir.txt, text)")
         _write_text((Path(model) / "ir.txt").read_text(), output)
         return
-    options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank, lora_targets,
-                              tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window, act_precision)
     snapshots: list[tuple[str, str]] = []
     printed_meta: dict[str, str] = {}           # meta text -> the section that printed it
 
@@ -332,7 +283,8 @@ def ir_command(model: str = typer.Argument(..., help="model dir, .safetensors, .
         from .codegen.lower import describe, lower
         from .codegen.target import get_target
 
-        lowered = lower(graph, get_target(target), max_tokens=max_tokens, block_size=options.block_size)
+        lowered = lower(graph, get_target(options.target), max_tokens=options.max_tokens,
+                        block_size=options.block_size)
         snapshots.append(("lower", describe(lowered)))
     if after and not snapshots:
         from .frontends import ONNX_PIPELINE, is_onnx
@@ -400,6 +352,7 @@ def _write_text(text: str, output: Path | None, what: str = "") -> None:
 
 @app.command("explore")
 @fails_cleanly
+@takes(PIPELINE)
 def explore_command(model: str = typer.Argument(..., help="model dir, .safetensors, .onnx, .gguf, Hub id, or an "
                                                            "artifact (its source is compiled again, as it was)"),
                     host: str = typer.Option("127.0.0.1", "--host", help="bind address"),
@@ -407,20 +360,12 @@ def explore_command(model: str = typer.Argument(..., help="model dir, .safetenso
                     node_profile: Optional[Path] = typer.Option(None, "--node-profile", metavar="FILE",
                                                                 help="heat overlay: time per node from infeng "
                                                                      "bench --profile --node-profile FILE"),
-                    target: str = TARGET, dtype: Optional[DType] = DTYPE, passes: Optional[str] = PASSES,
-                    max_tokens: int = MAX_TOKENS, lora: list[str] = LORA, merge: list[str] = MERGE,
-                    max_adapters: int = MAX_ADAPTERS, max_rank: Optional[int] = MAX_RANK,
-                    lora_targets: Optional[str] = LORA_TARGETS, tokenizer: Optional[Path] = TOKENIZER,
-                    quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
-                    calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
-                    kv: KVScheme = KV, kv_window: int = KV_WINDOW,
-                    act_precision: Optional[ActPrecision] = ACT_PRECISION):
+                    **values):
     """Serve the IR explorer for MODEL: the graph after every pass, the diff of each pass, every node's
     kernel and its C source, and a profile heat overlay (docs/web.md). No C is built."""
     from .explore import explorer_data, read_node_profile, serve_explorer
 
-    options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank, lora_targets,
-                              tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window, act_precision)
+    options = compile_options(PIPELINE, values)
     profile = read_node_profile(node_profile) if node_profile else None
     source, options = _explorer_input(model, options)
     data = explorer_data(source, options, profile)
@@ -471,6 +416,7 @@ def _load_runner(model: Path, backend: Backend = Backend.auto, threads: int = 0,
 
 @app.command("eval")
 @fails_cleanly
+@takes(EVAL_QUANT)
 def eval_command(model: Path = typer.Argument(..., help="artifact, model directory or Hub id org/name[@rev]"),
                  ppl: Path = typer.Option(..., "--ppl", help="text file to measure perplexity on"),
                  ctx: int = typer.Option(512, "--ctx", help="tokens per chunk"),
@@ -480,23 +426,20 @@ def eval_command(model: Path = typer.Argument(..., help="artifact, model directo
                  threads: int = typer.Option(0, "--threads", help="compiled backend threads (0 = physical cores)"),
                  batch: int = typer.Option(8, "--batch", help="chunks per forward step"),
                  as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
-                 tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer dir (ONNX)"),
-                 quant: Optional[QuantPreset] = typer.Option(None, "--quant",
-                                                             help="quantize the model dir first (interpreter)"),
-                 quant_policy: Optional[Path] = typer.Option(None, "--quant-policy", help="per-tensor formats (JSON)"),
-                 calib: Optional[Path] = typer.Option(None, "--calib", help="calibration text for --quant"),
-                 calib_max_bytes: Optional[int] = typer.Option(None, "--calib-max-bytes",
-                                                               help="use only the first N bytes of --calib"),
                  kld_base: Optional[Path] = typer.Option(None, "--kld-base",
                                                          help="model dir or artifact to compare with: adds mean KL "
-                                                              "divergence and top-1 agreement")):
-    """Perplexity by the llama.cpp protocol (BOS per chunk, second half of each chunk scored)."""
+                                                              "divergence and top-1 agreement"),
+                 **values):
+    """Perplexity by the llama.cpp protocol (BOS per chunk, second half of each chunk scored).
+
+    The options of a model directory quantize it first (in the interpreter)."""
     from .evaluate import perplexity, read_text
     from .passes.quantize import quantize_entry
 
-    entry = quantize_entry(quant.value if quant else None, quant_policy, calib, calib_max_bytes)
-    runner, tokenizer = _load_runner(model, backend, threads, tokenizer_dir, entry)
-    base = _load_runner(kld_base, Backend.auto, threads, tokenizer_dir)[0] if kld_base else None
+    given = compile_options(EVAL_QUANT, values)
+    entry = quantize_entry(given.quant, given.quant_policy, given.calib, given.calib_max_bytes)
+    runner, tokenizer = _load_runner(model, backend, threads, given.tokenizer, entry)
+    base = _load_runner(kld_base, Backend.auto, threads, given.tokenizer)[0] if kld_base else None
     ids = tokenizer.encode(read_text(ppl, max_bytes), add_bos=True)
     with progress_bar() as bar:
         task = bar.add_task("perplexity", total=None)
@@ -522,7 +465,7 @@ def eval_command(model: Path = typer.Argument(..., help="artifact, model directo
 def _kv_bytes_per_token(runner) -> float:
     """KV cache bytes one token takes over all layers: the artifact's (manifest ``kv``), or for the
     interpreter what ``infeng compile`` would lay out (blocks of the default block size)."""
-    from .compile import DEFAULT_BLOCK_SIZE
+    from .options import DEFAULT_BLOCK_SIZE
     from .quant.kv import graph_kv_bytes_per_token
 
     if hasattr(runner, "manifest"):
@@ -606,29 +549,19 @@ def _finished(r, source: object):
 
 @app.command("compile")
 @fails_cleanly
+@takes(COMPILE)
 def compile_command(model: Optional[str] = typer.Argument(None, help="model dir, .safetensors, .onnx, .gguf or Hub "
                                                                       "id org/name[@rev]"),
                     output: Path = typer.Option(..., "-o", "--output", help="artifact directory to write"),
                     replay: Optional[Path] = typer.Option(None, "--replay",
                                                           help="rebuild ARTIFACT from the model, inputs and options "
                                                                "its manifest records (inputs checked by sha256)"),
-                    target: str = TARGET, dtype: Optional[DType] = DTYPE, passes: Optional[str] = PASSES,
-                    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir",
-                                                           help="write NN-PASS.ir here, after each pass"),
-                    max_tokens: int = MAX_TOKENS,
-                    profile: bool = typer.Option(False, "--profile", help="time every IR node (see infeng bench --profile)"),
                     timings: bool = typer.Option(False, "--timings", help="also show time per pass"),
                     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress display"),
                     rebuild: bool = typer.Option(False, "--rebuild",
                                                  help="compile afresh, not copying an unchanged artifact built "
                                                       "from the same inputs (--replay always does)"),
-                    lora: list[str] = LORA, merge: list[str] = MERGE, max_adapters: int = MAX_ADAPTERS,
-                    max_rank: Optional[int] = MAX_RANK, lora_targets: Optional[str] = LORA_TARGETS,
-                    tokenizer: Optional[Path] = TOKENIZER,
-                    quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
-                    calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
-                    kv: KVScheme = KV, kv_window: int = KV_WINDOW,
-                    act_precision: Optional[ActPrecision] = ACT_PRECISION):
+                    **values):
     """Compile MODEL into an artifact directory (weights.bin, libmodel.so, src/, manifest.json)."""
     from rich.table import Table
 
@@ -643,9 +576,7 @@ def compile_command(model: Optional[str] = typer.Argument(None, help="model dir,
     elif model is None:
         raise InfengError("give the MODEL to compile (or --replay ARTIFACT)")
     else:
-        options = compile_options(target, dtype, passes, max_tokens, lora, merge, max_adapters, max_rank,
-                                  lora_targets, tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window,
-                                  act_precision, dump_ir=dump_ir, profile=profile)
+        options = compile_options(COMPILE, values)
     with progress_bar(quiet=quiet) as bar:
         display = StageDisplay(bar)
         summary = compile_model(model, output, options, stage=display.stage, progress=display.progress,
@@ -760,6 +691,7 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
 
 @app.command("chat")
 @fails_cleanly
+@takes(CHAT_COMPILE)
 def chat_command(model: str = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
                                                            "compiled into the artifact cache first"),
                  system: Optional[str] = typer.Option(None, "--system", help="system prompt"),
@@ -777,12 +709,7 @@ def chat_command(model: str = typer.Argument(..., help="compiled artifact, or a 
                                                     help="load a LoRA adapter (repeatable; /adapter NAME answers "
                                                          "with it)"),
                  use: Optional[str] = typer.Option(None, "--use", metavar="NAME", help="start with adapter NAME"),
-                 target: str = TARGET, dtype: Optional[DType] = DTYPE,
-                 max_adapters: Optional[int] = typer.Option(None, "--max-adapters", min=0,
-                                                            help="LoRA slots when compiling MODEL (default: 4 with "
-                                                                 "--adapter, else none)"),
-                 max_rank: Optional[int] = MAX_RANK, tokenizer: Optional[Path] = TOKENIZER,
-                 quant: Optional[QuantPreset] = QUANT, kv: KVScheme = KV):
+                 max_adapters: Optional[int] = SERVING_MAX_ADAPTERS, **values):
     """Chat with MODEL in the terminal: answers stream as they are generated, the conversation is
     kept, and Ctrl-C stops an answer.
 
@@ -792,12 +719,10 @@ def chat_command(model: str = typer.Argument(..., help="compiled artifact, or a 
     from infeng_runtime.sampling import SamplingParams
     from infeng_runtime.terminal_chat import ChatSession, chat_loop
 
-    if max_adapters is None:
-        max_adapters = max(4, len(adapter)) if adapter else 0
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
-    artifact = _serving_artifact(model, target, dtype, MAX_TOKENS.default, max_adapters, max_rank, tokenizer, quant,
-                                 None, None, None, kv, 0)
+    artifact = _serving_artifact(model, compile_options(
+        CHAT_COMPILE, values, max_adapters=serving_max_adapters(max_adapters, len(adapter))))
     llm = LLM(artifact, threads=threads, max_seqs=1, max_context=max_context,
               adapters=parse_named_paths(adapter, "--adapter"))
     session = ChatSession(llm, params, system=system, adapter=use)
@@ -823,18 +748,14 @@ RAY_REPLICA = OptionGroup(ServeOptions, panel="Each replica",
 
 @app.command("serve")
 @fails_cleanly
-@takes(SERVE)
+@takes(SERVE, SERVE_COMPILE)
 def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
                                                            "compiled into the artifact cache first"),
-                  target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
                   max_adapters: Optional[int] = typer.Option(None, "--max-adapters", min=0,
+                                                             rich_help_panel=SERVE_COMPILE.panel,
                                                              help="LoRA slots when compiling MODEL (default: 4 with "
                                                                   "--adapter or --adapter-root, else none)"),
-                  max_rank: Optional[int] = MAX_RANK, tokenizer: Optional[Path] = TOKENIZER,
-                  quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
-                  calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
-                  kv: KVScheme = KV, kv_window: int = KV_WINDOW,
-                  act_precision: Optional[ActPrecision] = ACT_PRECISION, **values):
+                  **values):
     """Serve MODEL over the OpenAI HTTP API (completions, chat, SSE streaming, adapters, /metrics)
     and a chat page at / (docs/web.md).
 
@@ -843,34 +764,26 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
     from infeng_runtime.server import serve
 
     options = ServeOptions(**SERVE.values(values))
-    if max_adapters is None:
-        max_adapters = max(4, len(options.adapters)) if options.adapters or options.adapter_roots else 0
     options.check()
-    artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
-                                 quant_policy, calib, calib_max_bytes, kv, kv_window, act_precision)
+    slots = serving_max_adapters(max_adapters, len(options.adapters), bool(options.adapter_roots))
+    artifact = _serving_artifact(model, compile_options(SERVE_COMPILE, values, max_adapters=slots))
     serve(artifact, options)
 
 
-def _serving_artifact(model: str | Path, target: str, dtype: DType | None, max_tokens: int, max_adapters: int,
-                      max_rank: int | None, tokenizer: Path | None, quant: QuantPreset | None,
-                      quant_policy: Path | None,
-                      calib: Path | None, calib_max_bytes: int | None, kv: KVScheme, kv_window: int,
-                      act_precision: ActPrecision | None = None) -> Path:
-    """MODEL itself if it is an artifact; else MODEL compiled into the artifact cache (reused when
-    the same model and options were compiled before), as ``serve`` and ``serve-ray`` do."""
+def _serving_artifact(model: str | Path, options: CompileOptions) -> Path:
+    """MODEL itself if it is an artifact; else MODEL compiled with ``options`` into the artifact
+    cache (reused when the same model and options were compiled before), as ``serve`` and
+    ``serve-ray`` do."""
     from infeng_common.manifest import is_artifact
 
     if is_artifact(model):
         return Path(model)
     from .compile import cached_artifact
 
-    compile_opts = compile_options(target, dtype, None, max_tokens, [], [], max_adapters, max_rank, "",
-                                   tokenizer, quant, quant_policy, calib, calib_max_bytes, kv, kv_window,
-                                   act_precision)
     with progress_bar() as bar:
         task = bar.add_task("compile", total=None)
         artifact, hit = cached_artifact(
-            model, compile_opts, stage=lambda name: bar.update(task, description=name, completed=0, total=None),
+            model, options, stage=lambda name: bar.update(task, description=name, completed=0, total=None),
             progress=lambda done, total: bar.update(task, completed=done, total=total))
     err.print(f"{'reusing' if hit else 'compiled'} {artifact}")
     return artifact
@@ -878,20 +791,12 @@ def _serving_artifact(model: str | Path, target: str, dtype: DType | None, max_t
 
 @app.command("serve-ray")
 @fails_cleanly
-@takes(OptionGroup(RayServeConfig, panel="Replicas"), RAY_REPLICA)
+@takes(OptionGroup(RayServeConfig, panel="Replicas"), RAY_REPLICA, SERVE_COMPILE)
 def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact, or a model compiled into the "
                                                                "artifact cache first (every node must see the path)"),
                       address: Optional[str] = typer.Option(None, "--address",
                                                             help="join this Ray cluster (default: start one here)"),
-                      target: str = TARGET, dtype: Optional[DType] = DTYPE, max_tokens: int = MAX_TOKENS,
-                      max_adapters: Optional[int] = typer.Option(None, "--max-adapters", min=0,
-                                                                 help="LoRA slots when compiling MODEL (default: 4 "
-                                                                      "with --adapter, else none)"),
-                      max_rank: Optional[int] = MAX_RANK, tokenizer: Optional[Path] = TOKENIZER,
-                      quant: Optional[QuantPreset] = QUANT, quant_policy: Optional[Path] = QUANT_POLICY,
-                      calib: Optional[Path] = CALIB, calib_max_bytes: Optional[int] = CALIB_MAX_BYTES,
-                      kv: KVScheme = KV, kv_window: int = KV_WINDOW,
-                      act_precision: Optional[ActPrecision] = ACT_PRECISION, **values):
+                      max_adapters: Optional[int] = SERVING_MAX_ADAPTERS, **values):
     """Serve MODEL on Ray Serve: engine replicas behind one OpenAI router.
 
     Adapters are placed on replicas by Ray's model multiplexing, replicas autoscale on requests in
@@ -904,11 +809,9 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
 
     ray_values = OptionGroup(RayServeConfig).values(values)
     options = ServeOptions(**RAY_REPLICA.values(values), threads=ray_values["threads_per_replica"])
-    if max_adapters is None:
-        max_adapters = max(4, len(options.adapters)) if options.adapters else 0
     options.check()
-    artifact = _serving_artifact(model, target, dtype, max_tokens, max_adapters, max_rank, tokenizer, quant,
-                                 quant_policy, calib, calib_max_bytes, kv, kv_window, act_precision)
+    artifact = _serving_artifact(model, compile_options(
+        SERVE_COMPILE, values, max_adapters=serving_max_adapters(max_adapters, len(options.adapters))))
     config = RayServeConfig(artifact, options, **ray_values)
     config.check()
     deploy(config, address=address)
@@ -1168,6 +1071,7 @@ def finetune_command(
 
 @app.command("run-batch")
 @fails_cleanly
+@takes(BATCH_COMPILE)
 def run_batch_command(
         model: str = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) compiled "
                                               "into the artifact cache first"),
@@ -1187,18 +1091,15 @@ def run_batch_command(
         served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                         help="the base model's name in requests and results"),
         warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="one step of every shape before the job"),
-        target: str = TARGET, dtype: Optional[DType] = typer.Option(None, "--dtype", help="weight storage when "
-                                                                                          "compiling MODEL"),
-        quant: Optional[QuantPreset] = typer.Option(None, "--quant", help="int8, int4 or fp8 when compiling MODEL"),
-        kv: KVScheme = typer.Option(KVScheme.f32, "--kv", help="KV cache format when compiling MODEL")):
+        **values):
     """Run an OpenAI Batch file (`custom_id`, `method`, `url`, `body` per line) through the
     server's engine loop: results in input order, one error line per bad line (docs/batch.md)."""
     from infeng_runtime.batch_jobs import run_batch
     from infeng_runtime.server import ServeOptions, build_server
     from infeng_runtime.warmup import warm_up
 
-    max_adapters = max(4, len(adapter)) if adapter else 0
-    artifact = _serving_artifact(model, target, dtype, 256, max_adapters, None, None, quant, None, None, None, kv, 0)
+    artifact = _serving_artifact(model, compile_options(
+        BATCH_COMPILE, values, max_adapters=serving_max_adapters(None, len(adapter))))
     concurrency = max_concurrency or max_seqs
     options = ServeOptions(threads=threads, max_seqs=max_seqs, max_context=max_context,
                            max_queue=max(256, concurrency), served_model_name=served_model_name,

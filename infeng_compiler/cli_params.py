@@ -47,6 +47,7 @@ class _Param:
     def parameter(self, panel: str | None) -> inspect.Parameter:
         spec = self.spec          # the range is checked on the options (check_ranges: one line naming the flag)
         info = typer.Option(self.default, spec.flag, help=spec.help, envvar=spec.env, metavar=spec.metavar,
+                            show_default="default" not in spec.help,    # a help that says its default says it
                             rich_help_panel=panel)
         return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=self.annotation)
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from infeng_common.errors import InfengError
 from infeng_common.options import flags
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_runtime.ray_options import RayServeConfig
 from infeng_runtime.server import ServeOptions
 
@@ -61,10 +61,10 @@ RAY_REPLICA_OPTIONS = {"host", "port", "max_seqs", "max_context", "max_queue", "
 def test_serve_parses_sizes_switches_and_adapters(monkeypatch):
     """What the generated parameters hand the command: sizes in bytes, ``--no-x`` as x false,
     ``--adapter NAME=DIR`` as a dict, the API key from its environment variable."""
-    import infeng_compiler.cli as cli
+    import infeng_cli.serve_cmds as serve_cmds
 
     seen = {}
-    monkeypatch.setattr(cli, "_serving_artifact", lambda model, *a: model)
+    monkeypatch.setattr(serve_cmds, "serving_artifact", lambda model, options: model)
     monkeypatch.setattr("infeng_runtime.server.serve", lambda artifact, options: seen.update(options=options))
     monkeypatch.setenv("INFENG_API_KEY", "sekrit")
     result = CliRunner().invoke(app, ["serve", "model-dir", "--kv-memory", "64MiB", "--no-prefix-cache",

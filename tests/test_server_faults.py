@@ -608,7 +608,7 @@ DYING_ENGINE = """
 import sys
 from pathlib import Path
 from infeng_runtime.engine import Engine
-from infeng_compiler.cli import main
+from infeng_cli.main import main
 
 flag = Path(sys.argv.pop(1))
 forward = Engine.forward

@@ -46,7 +46,8 @@ class _Param:
 
     def parameter(self, panel: str | None) -> inspect.Parameter:
         spec = self.spec          # the range is checked on the options (check_ranges: one line naming the flag)
-        info = typer.Option(self.default, spec.flag, help=spec.help, envvar=spec.env, metavar=spec.metavar,
+        names = (spec.flag, spec.short) if spec.short else (spec.flag,)
+        info = typer.Option(self.default, *names, help=spec.help, envvar=spec.env, metavar=spec.metavar,
                             show_default="default" not in spec.help,    # a help that says its default says it
                             rich_help_panel=panel)
         return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=self.annotation)
@@ -74,19 +75,21 @@ def _param(name: str, spec: Flag, hint: Any, default: Any) -> _Param:
 
 class OptionGroup:
     """The declared options of ``options_class`` a command offers: all of them, those in ``only``,
-    or all but ``skip``; shown under the help panel ``panel``."""
+    or all but ``skip``; shown under the help panel ``panel``; ``defaults`` where the command's
+    default is not the declaration's."""
 
     def __init__(self, options_class: type, *, only: tuple[str, ...] = (), skip: tuple[str, ...] = (),
-                 panel: str | None = None):
+                 panel: str | None = None, defaults: dict[str, Any] | None = None):
         hints = typing.get_type_hints(options_class)
         declared = {f.name: f for f in fields(options_class) if "flag" in f.metadata}
-        unknown = [name for name in (*only, *skip) if name not in declared]
+        defaults = defaults or {}
+        unknown = [name for name in (*only, *skip, *defaults) if name not in declared]
         if unknown:
             raise ValueError(f"{options_class.__name__} declares no option {unknown[0]}")
         self.options_class = options_class
         self.panel = panel
         self.params = [_param(name, f.metadata["flag"], hints[name],
-                              None if f.default is MISSING else f.default)
+                              defaults.get(name, None if f.default is MISSING else f.default))
                        for name, f in declared.items() if (not only or name in only) and name not in skip]
 
     def parameters(self) -> list[inspect.Parameter]:

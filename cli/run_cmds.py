@@ -13,11 +13,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from infeng_common.errors import InfengError
+from infeng_runtime.sampling.params import SamplingParams
 
 from .app import app, err, fails_cleanly, progress_bar
 from .compile_cmds import CHAT_COMPILE, EVAL_QUANT, SERVING_MAX_ADAPTERS, compile_options, serving_artifact, \
     serving_max_adapters
-from .params import parse_named_paths, takes
+from .params import OptionGroup, parse_named_paths, takes
 
 
 class Backend(str, Enum):
@@ -125,27 +126,26 @@ def _kv_bytes_per_token(runner) -> float:
     return graph_kv_bytes_per_token(runner.graph, DEFAULT_BLOCK_SIZE)
 
 
+#: The sampling options of ``generate``, ``run`` and ``chat`` (``SamplingParams``' declarations).
+SAMPLING = OptionGroup(SamplingParams, panel="Sampling")
+CHAT_SAMPLING = OptionGroup(SamplingParams, panel="Sampling", defaults={"max_new_tokens": 512})
+
+
 @app.command("generate")
 @fails_cleanly
+@takes(SAMPLING)
 def generate_command(model: Path = typer.Argument(..., help="model directory or Hub id org/name[@rev]"),
                      prompt: str = typer.Argument(..., help="the text to answer or continue"),
-                     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="most tokens to generate"),
-                     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
-                     top_p: float = typer.Option(1.0, "--top-p",
-                                                 help="keep the likeliest tokens up to this probability"),
-                     top_k: int = typer.Option(0, "--top-k", help="sample among the N most likely tokens (0 = all)"),
-                     seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (default: random)"),
                      as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
-                     tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer dir (ONNX)")):
+                     tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer dir (ONNX)"),
+                     **values):
     """Continue PROMPT with the reference interpreter (slow, exact)."""
     from infeng_runtime.llm import LLM
-    from infeng_runtime.sampling import SamplingParams
 
     from infeng_compiler.interp_engine import InterpreterEngine
 
     runner, tokenizer = _load_runner(model, Backend.interp, tokenizer_dir=tokenizer_dir)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            seed=seed)
+    params = SamplingParams(**SAMPLING.values(values))
     llm = LLM.over(InterpreterEngine(runner, tokenizer), prefix_cache=False)    # the engine loop, as infeng run
     stream = llm.stream(prompt, params)
     print_stream(prompt, stream, lambda: stream.completion, as_json, "interpreter", source=model)
@@ -202,13 +202,9 @@ SPECULATIVE = typer.Option(None, "--speculative",
 
 @app.command("run")
 @fails_cleanly
+@takes(SAMPLING)
 def run_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
                 prompt: str = typer.Argument(..., help="the text to answer or continue"),
-                max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="most tokens to generate"),
-                temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
-                top_p: float = typer.Option(1.0, "--top-p", help="keep the likeliest tokens up to this probability"),
-                top_k: int = typer.Option(0, "--top-k", help="sample among the N most likely tokens (0 = all)"),
-                seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (default: random)"),
                 threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
                 adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
                                                   help="load a LoRA adapter (repeatable)"),
@@ -217,7 +213,7 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
                                                              "chat template"),
                 system: Optional[str] = typer.Option(None, "--system", help="system prompt (chat template only)"),
                 speculative: Optional[str] = SPECULATIVE,
-                as_json: bool = typer.Option(False, "--json", help="print one JSON object")):
+                as_json: bool = typer.Option(False, "--json", help="print one JSON object"), **values):
     """Answer PROMPT with a compiled artifact, streaming text, and print tok/s.
 
     A model with a chat template gets PROMPT as a user message, as `infeng chat` and the chat API
@@ -225,11 +221,9 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
     `infeng serve`: the same request gives the same text."""
     from infeng_runtime.chat import chat_prompt_ids, template_source
     from infeng_runtime.llm import LLM
-    from infeng_runtime.sampling import SamplingParams
     from infeng_runtime.spec import parse_speculative
 
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            seed=seed)
+    params = SamplingParams(**SAMPLING.values(values))
     spec = parse_speculative(speculative)
     llm = LLM(artifact, threads=threads, max_seqs=1, adapters=parse_named_paths(adapter, "--adapter"),
               speculative=spec)
@@ -258,16 +252,10 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
 
 @app.command("chat")
 @fails_cleanly
-@takes(CHAT_COMPILE)
+@takes(CHAT_SAMPLING, CHAT_COMPILE)
 def chat_command(model: str = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) "
                                                            "compiled into the artifact cache first"),
                  system: Optional[str] = typer.Option(None, "--system", help="system prompt"),
-                 max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", min=1,
-                                                    help="most tokens per answer"),
-                 temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
-                 top_p: float = typer.Option(1.0, "--top-p", help="keep the likeliest tokens up to this probability"),
-                 top_k: int = typer.Option(0, "--top-k", help="sample among the N most likely tokens (0 = all)"),
-                 seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (default: random)"),
                  threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
                  max_context: Optional[int] = typer.Option(None, "--max-context", min=1,
                                                            help="tokens the conversation may hold (default: the "
@@ -283,11 +271,9 @@ def chat_command(model: str = typer.Argument(..., help="compiled artifact, or a 
     Type /help for the commands: /reset, /system TEXT, /adapter NAME, /history, /exit. A model that
     is not an artifact is compiled into the artifact cache first, as `infeng serve` does."""
     from infeng_runtime.llm import LLM
-    from infeng_runtime.sampling import SamplingParams
     from infeng_runtime.terminal_chat import ChatSession, chat_loop
 
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            seed=seed)
+    params = SamplingParams(**CHAT_SAMPLING.values(values))
     artifact = serving_artifact(model, compile_options(
         CHAT_COMPILE, values, max_adapters=serving_max_adapters(max_adapters, len(adapter))))
     llm = LLM(artifact, threads=threads, max_seqs=1, max_context=max_context,

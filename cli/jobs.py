@@ -7,12 +7,13 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from infeng_runtime.api.options import ServeOptions
+
 from .app import app, err, fails_cleanly
 from .compile_cmds import BATCH_COMPILE, compile_options, serving_artifact, serving_max_adapters
-from .params import parse_named_paths, takes
+from .params import OptionGroup, takes
 
 
-# -- the work around inference: finetune (a LoRA adapter) and run-batch (an OpenAI Batch file) --------
 def _job_progress(unit: str) -> Progress:
     """A progress display on stderr with the fields a job reports (``info``)."""
     return Progress(TextColumn("{task.description}"), BarColumn(),
@@ -84,9 +85,14 @@ def finetune_command(
               f"loss {first:.4f} -> {last:.4f}{eval_part}", highlight=False)
 
 
+#: What ``run-batch`` offers of ``ServeOptions``: the engine and the model's names, not the HTTP side.
+BATCH_SERVE = OptionGroup(ServeOptions, only=("threads", "max_seqs", "max_context", "adapters", "served_model_name"),
+                          panel="Engine")
+
+
 @app.command("run-batch")
 @fails_cleanly
-@takes(BATCH_COMPILE)
+@takes(BATCH_SERVE, BATCH_COMPILE)
 def run_batch_command(
         model: str = typer.Argument(..., help="compiled artifact, or a model (dir, .gguf, .onnx, Hub id) compiled "
                                               "into the artifact cache first"),
@@ -97,28 +103,20 @@ def run_batch_command(
                                                                      ".errors.jsonl)"),
         max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", min=1,
                                                       help="requests in flight at once (default: --max-seqs)"),
-        max_seqs: int = typer.Option(16, "--max-seqs", min=1, help="sequences batched together (KV slots)"),
-        max_context: Optional[int] = typer.Option(None, "--max-context", min=1,
-                                                  help="tokens per sequence (default: the model's)"),
-        threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
-        adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
-                                          help="serve a LoRA adapter as model NAME (repeatable)"),
-        served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
-                                                        help="the base model's name in requests and results"),
         warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="one step of every shape before the job"),
         **values):
     """Run an OpenAI Batch file (`custom_id`, `method`, `url`, `body` per line) through the
     server's engine loop: results in input order, one error line per bad line (docs/batch.md)."""
     from infeng_runtime.batch_jobs import run_batch
-    from infeng_runtime.server import ServeOptions, build_server
+    from infeng_runtime.server import build_server
     from infeng_runtime.warmup import warm_up
 
+    options = ServeOptions(**BATCH_SERVE.values(values), log_level="warning")
+    concurrency = max_concurrency or options.max_seqs
+    options.max_queue = max(256, concurrency)
+    options.check()
     artifact = serving_artifact(model, compile_options(
-        BATCH_COMPILE, values, max_adapters=serving_max_adapters(None, len(adapter))))
-    concurrency = max_concurrency or max_seqs
-    options = ServeOptions(threads=threads, max_seqs=max_seqs, max_context=max_context,
-                           max_queue=max(256, concurrency), served_model_name=served_model_name,
-                           adapters=parse_named_paths(adapter, "--adapter"), log_level="warning")
+        BATCH_COMPILE, values, max_adapters=serving_max_adapters(None, len(options.adapters))))
     server = build_server(artifact, options)
     if warmup:
         warmed = warm_up(server.engine)

@@ -13,8 +13,10 @@ from typer.testing import CliRunner
 
 from infeng_common.errors import InfengError
 from infeng_common.options import flags
+from infeng_compiler.options import CompileOptions
 from infeng_cli.main import app
 from infeng_runtime.ray_options import RayServeConfig
+from infeng_runtime.sampling import SamplingParams
 from infeng_runtime.server import ServeOptions
 
 
@@ -86,3 +88,25 @@ def test_app_builder_arguments_are_the_declared_options():
     assert set(RayAppArgs.model_fields) == declared | {"artifact", "autoscaling_config"}
     args = RayAppArgs.model_validate({"artifact": "a", "max_request_bytes": "1MiB", "max_queue": 3})
     assert (args.max_request_bytes, args.max_queue, args.host, args.prefix_cache) == ("1MiB", 3, "0.0.0.0", True)
+
+
+@pytest.mark.parametrize("command, options_class", [("compile", CompileOptions), ("run", SamplingParams),
+                                                    ("generate", SamplingParams), ("chat", SamplingParams)])
+def test_commands_offer_every_declared_option(command, options_class):
+    """``compile`` offers every compile option, the generating commands every sampling option, as
+    declared (flag, short form, help, choices)."""
+    params = {opt: p for p in typer.main.get_command(app).commands[command].params for opt in p.opts}
+    for name, spec in flags(options_class):
+        param = params[spec.flag]
+        assert param.help.startswith(spec.help) and (spec.short is None or spec.short in param.opts), spec.flag
+        if spec.choices:
+            assert [c.value for c in param.type_descriptor.choices] == list(spec.choices)
+
+
+def test_compile_options_are_checked_with_one_line():
+    with pytest.raises(InfengError, match="^--max-tokens 0: must be at least 1$"):
+        CompileOptions(max_tokens=0).check()
+    with pytest.raises(InfengError, match="^--merge a: no adapter of that name"):
+        CompileOptions(merge=["a"]).check()
+    bad = CliRunner().invoke(app, ["compile", "model-dir", "-o", "out", "--kv-window", "-1"])
+    assert bad.exit_code == 2 and "--kv-window -1: must be at least 0" in bad.output

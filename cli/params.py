@@ -106,11 +106,17 @@ def takes(*groups: OptionGroup) -> Callable[[Callable], Callable]:
     def decorate(command: Callable) -> Callable:
         own = [p for p in inspect.signature(command, eval_str=True).parameters.values()
                if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        added = [p for group in groups for p in group.parameters()]
-        names = [p.name for p in own + added]
+        panels = {group.panel for group in groups}
+        in_panel = [p for p in own if getattr(p.default, "rich_help_panel", None) in panels]
+        added = []          # each group's parameters, then the command's own in that group's panel
+        for group in groups:
+            added += group.parameters() + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in in_panel
+                                           if p.default.rich_help_panel == group.panel]
+        params = [p for p in own if p not in in_panel] + added
+        names = [p.name for p in params]
         if len(set(names)) != len(names):
             raise ValueError(f"{command.__name__}: a parameter is declared twice in {names}")
-        command.__signature__ = inspect.Signature(own + added)
+        command.__signature__ = inspect.Signature(params)
         return command
 
     return decorate

@@ -106,7 +106,7 @@ def peer_env() -> dict:
 
 
 def infeng_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "infeng_compiler.cli", *args]
+    return [sys.executable, "-m", "infeng_cli", *args]
 
 
 # -- inputs --------------------------------------------------------------------------------------

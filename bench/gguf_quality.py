@@ -40,7 +40,7 @@ CONFIGS = {"import": [], "f32": ["--dtype", "f32"], "int8": ["--dtype", "f32", "
 
 
 def infeng(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "infeng_compiler.cli", *args], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "infeng_cli", *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"infeng {' '.join(args)} failed:\n{done.stderr[-2000:]}")
     return done.stdout

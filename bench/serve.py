@@ -83,7 +83,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 3
 def start_infeng(artifact: Path, args, log: Path, env: dict[str, str] | None = None,
                  cwd: Path | None = None, cmd_prefix: list[str] = ()) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [*cmd_prefix, sys.executable, "-m", "infeng_compiler.cli", "serve", str(artifact), "--port", str(port),
+    cmd = [*cmd_prefix, sys.executable, "-m", "infeng_cli", "serve", str(artifact), "--port", str(port),
            "--threads", str(args.threads), "--max-seqs", str(max(args.streams)), "--log-level", "warning",
            "--max-context", str(args.prompt_len + args.max_tokens + 16)]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
@@ -114,7 +114,7 @@ def start_baseline(artifact: Path, args, log: Path) -> tuple[subprocess.Popen, s
 def start_ray(artifact: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
     """``infeng serve-ray``: its own local Ray cluster, ``--ray-replicas`` x ``--ray-threads``."""
     port = free_port()
-    cmd = [sys.executable, "-m", "infeng_compiler.cli", "serve-ray", str(artifact), "--port", str(port),
+    cmd = [sys.executable, "-m", "infeng_cli", "serve-ray", str(artifact), "--port", str(port),
            "--replicas", str(args.ray_replicas), "--threads-per-replica", str(args.ray_threads),
            "--max-seqs", str(max(args.streams)), "--max-context", str(args.prompt_len + args.max_tokens + 16)]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,

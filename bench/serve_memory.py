@@ -49,7 +49,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     exe = shutil.which("infeng")
-    command = [*([exe] if exe else [sys.executable, "-m", "infeng_compiler.cli"]), "serve", model,
+    command = [*([exe] if exe else [sys.executable, "-m", "infeng_cli"]), "serve", model,
                "--port", str(port), "--log-level", "info", *extra]
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,6 +25,7 @@ from .codegen.target import get_target
 from .frontends import ONNX_PIPELINE, ModelSource, import_model, model_source
 from .frontends.peft import LoraAdapter, load_adapter
 from .ir import Graph, print_graph
+from .options import CompileOptions
 from .passes.act_precision import act_precision_of
 from .passes.kv_cache import kv_summary
 from .passes.manager import PassContext, PassManager, PassRecord, Phase, format_pipeline
@@ -34,40 +35,8 @@ from .quant.formats import get_format, is_quantized
 from .reuse import (artifact_cache_root, copy_built, find_built, inputs_key, model_dir_files, record_built,
                     written_files)
 
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_BLOCK_SIZE = 16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
-
-
-@dataclass
-class CompileOptions:
-    target: str = "native"
-    dtype: str | None = None            # matrices' storage: f32/f16/bf16; None: f32, and imported
-                                        # quantized weights (GGUF Q8_0/Q4_0/Q4_1) kept as they are
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    block_size: int = DEFAULT_BLOCK_SIZE
-    passes: str | None = None           # explicit pipeline; default from dtype
-    dump_ir: Path | None = None
-    tokenizer: Path | None = None       # tokenizer/config dir (an ONNX model carries none)
-    profile: bool = False               # time every IR node in the generated code
-    lora: dict[str, Path] = field(default_factory=dict)   # adapter name -> PEFT adapter dir
-    merge: list[str] = field(default_factory=list)         # adapters folded into the weights
-    max_adapters: int = 0               # LoRA slots (0: none, unless unmerged --lora adapters need them)
-    max_rank: int = 0                   # max rank per slot (0: the largest rank among --lora adapters)
-    lora_targets: str = ""              # '+'-separated module suffixes with slots (default: all linears)
-    quant: str | None = None            # int8, int4, fp8 (passes/quantize.py)
-    quant_policy: Path | None = None    # per-tensor overrides (quant/policy.py)
-    calib: Path | None = None           # calibration text (--quant: AWQ + clipping; int8/int4 --kv: K centring)
-    calib_max_bytes: int | None = None
-    kv: str = "f32"                     # KV cache: f32, f16, int8, int4, fht-int8, fht-int4 (passes/kv_cache.py)
-    kv_window: int = 0                  # recent tokens kept in f16 next to an int8/int4 cache
-    act_precision: str | None = None    # activations integer weights multiply: int8, f32, auto
-                                        # (None: DEFAULT_ACT_PRECISION; passes/act_precision.py)
-
-    def pipeline(self, adapters: dict | None = None, graph: Graph | None = None) -> list[tuple[str, list[str]]]:
-        """The pass pipeline these options ask for, its phases flattened (``passes/pipeline.py``)."""
-        return [entry for phase in build_pipeline(self, adapters, graph) for entry in phase.entries]
 
 
 @dataclass

@@ -48,7 +48,7 @@ def build_server(artifact: str | Path, options: ServeOptions) -> Server:
                     kv_memory=options.kv_memory)
     if engine.tokenizer is None:
         raise InfengError(f"{artifact}: the artifact has no tokenizer.json; it cannot be served")
-    loop = EngineLoop(engine, max_batched_tokens=options.max_batched_tokens, max_waiting=options.max_waiting,
+    loop = EngineLoop(engine, max_batched_tokens=options.max_batched_tokens, max_waiting=options.max_queue,
                       prefix_cache=options.prefix_cache, speculative=options.speculative)
     for name, path in options.adapters.items():
         loop.load_adapter(name, path).result()

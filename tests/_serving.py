@@ -84,7 +84,7 @@ def free_port() -> int:
 
 def infeng_command() -> list[str]:
     exe = shutil.which("infeng")
-    return [exe] if exe else [sys.executable, "-m", "infeng_compiler.cli"]
+    return [exe] if exe else [sys.executable, "-m", "infeng_cli"]
 
 
 @contextmanager

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from infeng_common.manifest import ArtifactError
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_compiler.compile import CompileOptions, compile_model
 from infeng_runtime.engine import Engine
 

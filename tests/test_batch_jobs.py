@@ -12,7 +12,7 @@ import pytest
 from _serving import running_server, served_artifact
 from typer.testing import CliRunner
 
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_runtime.batch_jobs import finished_ids, parse_line
 
 BAD = {10: "{not json", 50: json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}),

@@ -15,7 +15,7 @@ import pytest
 from _serving import adapters, infeng_command, nonfinite_artifact, served_artifact
 from typer.testing import CliRunner
 
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_runtime.llm import LLM
 from infeng_runtime.sampling import SamplingParams
 

@@ -8,7 +8,7 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 
 COMMANDS = sorted(typer.main.get_command(app).commands)
 

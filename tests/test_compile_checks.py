@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_compiler.compile import CompileOptions, compile_model
 
 

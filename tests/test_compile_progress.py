@@ -3,7 +3,7 @@ name, the steps of a long one with their counts (tensors searched), the C build'
 under ``--quiet`` or off a terminal."""
 from __future__ import annotations
 
-from infeng_compiler.cli import progress_bar
+from infeng_cli.app import progress_bar
 from infeng_compiler.compile import CompileOptions, run_pipeline
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_compiler.codegen.target import TARGETS, host_features, runnable_targets
 from infeng_compiler.compile import CompileOptions, compile_model
 from infeng_compiler.frontends.hf import import_hf

@@ -20,7 +20,7 @@ def smollm2():
 
 
 def demo(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "infeng_compiler.cli", "demo", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "infeng_cli", "demo", *args], capture_output=True,
                           text=True, timeout=600)
 
 

@@ -329,7 +329,7 @@ def test_error_names_the_file(broken: tuple[Path, Expect]) -> None:
 def test_cli_exits_2_with_one_line(broken: tuple[Path, Expect]) -> None:
     from typer.testing import CliRunner
 
-    from infeng_compiler.cli import app
+    from infeng_cli.main import app
 
     path, expect = broken
     result = CliRunner().invoke(app, ["ir", str(path)])
@@ -346,7 +346,7 @@ def test_cli_subprocess_exit_code(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = "import sys; from infeng_compiler.cli import app; sys.argv = ['infeng', 'ir', sys.argv[1]]; app()"
+    code = "import sys; from infeng_cli.main import app; sys.argv = ['infeng', 'ir', sys.argv[1]]; app()"
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "absent")], capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stdout == "" and len(result.stderr.strip().splitlines()) == 1
@@ -357,7 +357,7 @@ def test_cli_prints_the_message_verbatim(tmp_path: Path) -> None:
     """A path with brackets is printed as is (the message is text, not console markup)."""
     from typer.testing import CliRunner
 
-    from infeng_compiler.cli import app
+    from infeng_cli.main import app
 
     missing = tmp_path / "[red]" / "[x]model"
     result = CliRunner().invoke(app, ["ir", str(missing)])
@@ -370,7 +370,7 @@ def test_cli_prints_the_message_verbatim(tmp_path: Path) -> None:
 def test_a_missing_path_is_no_such_file_before_any_format_check(tmp_path: Path, command: list[str]) -> None:
     from typer.testing import CliRunner
 
-    from infeng_compiler.cli import app
+    from infeng_cli.main import app
 
     missing = tmp_path / "absent.infeng"
     result = CliRunner().invoke(app, [arg.format(p=missing) for arg in command])
@@ -386,7 +386,7 @@ def test_a_name_past_the_file_name_limit_is_one_line(command: list[str]) -> None
     """A model argument longer than NAME_MAX (255 bytes): the OS's refusal as one line, exit 2."""
     from typer.testing import CliRunner
 
-    from infeng_compiler.cli import app
+    from infeng_cli.main import app
 
     name = "m" * 300
     result = CliRunner().invoke(app, [arg.format(p=name) for arg in command])
@@ -401,7 +401,7 @@ def test_an_os_error_keeps_the_path_as_named(capsys):
     their case."""
     import typer
 
-    from infeng_compiler.cli import fails_cleanly
+    from infeng_cli.app import fails_cleanly
 
     def raises(error: OSError):
         @fails_cleanly

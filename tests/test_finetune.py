@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_compiler.finetune import IGNORE, DataError, FinetuneOptions, finetune, load_tokenizer, read_examples
 
 torch = pytest.importorskip("torch")

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from _gguf import gguf_from_hf, llama2c_scores, permute, random_blocks, spm_vocab, write_gguf  # noqa: E402
-from infeng_compiler.cli import app  # noqa: E402
+from infeng_cli.main import app  # noqa: E402
 from infeng_compiler.compile import CompileOptions, compile_model  # noqa: E402
 from infeng_compiler.frontends import gguf as gguf_frontend  # noqa: E402
 from infeng_compiler.frontends import import_model, model_source  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_compiler.frontends import import_model, model_source
 from infeng_compiler.frontends.hub import HubId, HubModelError, parse_hub_id, resolve_model_path
 from infeng_compiler.ir import print_graph

@@ -181,7 +181,7 @@ def test_dot_export(graph_of, name: str) -> None:
 def test_cli_ir_prints_the_graph(hf_checkpoint, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from infeng_compiler.cli import app
+    from infeng_cli.main import app
 
     model = hf_checkpoint("qwen2")
     runner = CliRunner()

@@ -6,7 +6,7 @@ import re
 
 from typer.testing import CliRunner
 
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_compiler.compile import CompileOptions, compile_model
 
 

@@ -28,7 +28,7 @@ import pytest
 from typer.testing import CliRunner
 
 from infeng_common.errors import InfengError
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_compiler.codegen.build import build_library
 from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
 from infeng_compiler.codegen.target import TARGETS, runnable_targets

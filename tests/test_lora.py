@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from infeng_common.errors import ModelFormatError
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_compiler.compile import CompileOptions, compile_model
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.frontends.peft import AdapterMismatchError, load_adapter

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 pytest.importorskip("onnxscript")
 
 from infeng_common.errors import UnsupportedError  # noqa: E402
-from infeng_compiler.cli import app  # noqa: E402
+from infeng_cli.main import app  # noqa: E402
 from infeng_compiler.compile import CompileOptions, compile_model  # noqa: E402
 from infeng_compiler.frontends import import_model, require_raised  # noqa: E402
 from infeng_compiler.frontends.onnx import load_onnx  # noqa: E402

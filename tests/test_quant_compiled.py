@@ -84,7 +84,7 @@ def test_manifest_records_quantization(artifacts) -> None:
 
 def test_eval_artifact_with_kld_base(artifacts, stories_dir, assets) -> None:
     text = assets / "text" / "wikitext-2-raw-v1-test.txt"
-    out = subprocess.run([sys.executable, "-m", "infeng_compiler.cli", "eval", str(artifacts("int8")), "--ppl", str(text),
+    out = subprocess.run([sys.executable, "-m", "infeng_cli", "eval", str(artifacts("int8")), "--ppl", str(text),
                           "--ctx", "128", "--max-bytes", "8000", "--json", "--kld-base", str(stories_dir)],
                          capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -225,7 +225,7 @@ def test_bad_policies(tmp_path: Path) -> None:
 
 def test_cli_eval_quant_and_kld(stories_dir, assets, tmp_path: Path) -> None:
     text = assets / "text" / "wikitext-2-raw-v1-test.txt"
-    cmd = [sys.executable, "-m", "infeng_compiler.cli", "eval", str(stories_dir), "--ppl", str(text), "--ctx", "128",
+    cmd = [sys.executable, "-m", "infeng_cli", "eval", str(stories_dir), "--ppl", str(text), "--ctx", "128",
            "--max-bytes", "6000", "--json", "--quant", "int8", "--kld-base", str(stories_dir)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])

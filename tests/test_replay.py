@@ -12,7 +12,7 @@ import pytest
 from _serving import write_adapter
 from typer.testing import CliRunner
 
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_compiler.compile import CompileOptions, compile_model
 
 ASSETS_TEXT = "text/wikitext-2-raw-v1-test.txt"

@@ -608,7 +608,7 @@ DYING_ENGINE = """
 import sys
 from pathlib import Path
 from infeng_runtime.engine import Engine
-from infeng_compiler.cli import main
+from infeng_cli.main import main
 
 flag = Path(sys.argv.pop(1))
 forward = Engine.forward
@@ -755,7 +755,7 @@ def test_text_work_past_its_budget_is_dropped(in_process, monkeypatch):
 
 # -- the command line ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value, flag", [
-    ("port", 0, "--port"), ("port", 65536, "--port"), ("max_waiting", 0, "--max-queue"), ("threads", -1, "--threads"),
+    ("port", 0, "--port"), ("port", 65536, "--port"), ("max_queue", 0, "--max-queue"), ("threads", -1, "--threads"),
     ("max_seqs", 0, "--max-seqs"), ("max_context", 0, "--max-context"), ("max_request_bytes", 1023,
                                                                            "--max-request-bytes"),
     ("shutdown_timeout", -1.0, "--shutdown-timeout"), ("shutdown_timeout", float("nan"), "--shutdown-timeout"),

@@ -16,7 +16,7 @@ from _browser import browser, page, screenshot  # noqa: F401  (fixtures)
 from _serving import STORIES, free_port, infeng_command
 from typer.testing import CliRunner, Result
 
-from infeng_compiler.cli import app
+from infeng_cli.main import app
 from infeng_compiler.explore import explorer_html
 from infeng_runtime.web import CONTENT_SECURITY_POLICY
 

@@ -14,13 +14,13 @@ from infeng_common.errors import InfengError
 
 from ..api_errors import APIError
 from .bodies import AdapterBody, parse_body
-from .core import SHUTTING_DOWN, RequestCore, record_for
+from .core import SHUTTING_DOWN, RequestCore, post_routes, record_for
 
 MAX_ADAPTER_NAME = 128
 
 
 def router(core: RequestCore) -> APIRouter:
-    routes = APIRouter()
+    routes = post_routes(core, {"/v1/adapters": load_adapter})
 
     @routes.get("/v1/models")
     async def models():
@@ -32,10 +32,6 @@ def router(core: RequestCore) -> APIRouter:
             if entry["id"] == model:
                 return entry
         raise APIError(404, f"the model {model!r} does not exist", "not_found_error", "model", "model_not_found")
-
-    @routes.post("/v1/adapters")
-    async def load_adapter_route(http: HTTPRequest):
-        return await load_adapter(core, http)
 
     @routes.delete("/v1/adapters/{name}")
     async def unload_adapter_route(name: str):

@@ -14,12 +14,12 @@ from ..sampling import SamplingParams
 from ..structured import tool_call_grammar
 from ..tools import ToolCall, ToolStream, parse_forced, parse_tool_calls
 from .bodies import TOOL_CHOICES, ChatBody, check_unsupported, grammar_spec, sampling_params
-from .core import RequestCore, post_route, sse
+from .core import RequestCore, post_routes, sse
 from .prompts import prompt_ids, template_args
 
 
 def router(core: RequestCore) -> APIRouter:
-    return post_route(core, "/v1/chat/completions", create)
+    return post_routes(core, {"/v1/chat/completions": create})
 
 
 async def create(core: RequestCore, http: HTTPRequest):

@@ -9,14 +9,14 @@ from fastapi import APIRouter, Request as HTTPRequest
 from ..api_errors import APIError
 from ..detokenize import ChoiceText
 from .bodies import CompletionBody, check_unsupported, grammar_spec, sampling_params
-from .core import RequestCore, post_route, sse
+from .core import RequestCore, post_routes, sse
 
 #: max_tokens when a completion request gives none (OpenAI's default).
 DEFAULT_MAX_TOKENS = 16
 
 
 def router(core: RequestCore) -> APIRouter:
-    return post_route(core, "/v1/completions", create)
+    return post_routes(core, {"/v1/completions": create})
 
 
 async def create(core: RequestCore, http: HTTPRequest):

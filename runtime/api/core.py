@@ -84,14 +84,17 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def post_route(core: "RequestCore", path: str, handler: Callable[["RequestCore", HTTPRequest], Any]) -> APIRouter:
-    """A router of one POST endpoint: ``handler(core, request)``."""
+def post_routes(core: "RequestCore", handlers: dict[str, Callable[["RequestCore", HTTPRequest], Any]]) -> APIRouter:
+    """A router of POST endpoints: each path's ``handler(core, request)``."""
     routes = APIRouter()
 
-    async def endpoint(http: HTTPRequest):
-        return await handler(core, http)
+    def endpoint(handler: Callable[["RequestCore", HTTPRequest], Any]) -> Callable[[HTTPRequest], Any]:
+        async def answer(http: HTTPRequest):
+            return await handler(core, http)
+        return answer
 
-    routes.add_api_route(path, endpoint, methods=["POST"])
+    for path, handler in handlers.items():
+        routes.add_api_route(path, endpoint(handler), methods=["POST"])
     return routes
 
 

@@ -6,14 +6,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infeng_common.errors import InfengError
-from infeng_common.options import check_ranges, option
+from infeng_common.options import SIZE, check_ranges, option
 
 from ..grammar_limits import GrammarLimits
-from ..http_guard import AdapterRoots
-from ..request_log import LOG_FORMATS, LOG_LEVELS
-from ..spec import SpeculativeConfig
+from ..spec.config import SpeculativeConfig, parse_speculative
 
 __all__ = ["ServeOptions"]
+
+
+def _speculative(text: str, flag: str) -> SpeculativeConfig | None:
+    return parse_speculative(text)
 
 
 @dataclass
@@ -27,17 +29,17 @@ class ServeOptions:
     max_context: int | None = option(None, flag="--max-context", low=1,
                                      help="tokens per sequence; with --max-seqs it fixes the KV pool (default: the "
                                           "model's, cut to what the default pool holds)")
-    kv_memory: int | None = option(None, flag="--kv-memory",
+    kv_memory: int | None = option(None, flag="--kv-memory", **SIZE,
                                    help="KV pool size, e.g. 512MiB, committed as it is used (default: max-seqs x "
                                         "max-context, at most half the memory available)")
-    max_waiting: int = option(256, flag="--max-queue", help="waiting sequences before requests get 429", low=1)
+    max_queue: int = option(256, flag="--max-queue", help="waiting sequences before requests get 429", low=1)
     max_batched_tokens: int | None = option(None, flag="--max-batched-tokens", low=1,
                                             help="token budget per step (default: the library's max tokens per "
                                                  "call)")
     prefix_cache: bool = option(True, flag="--no-prefix-cache", help="never share KV blocks")
     served_model_name: str | None = option(None, flag="--served-model-name", help="the base model's id in the API")
     adapters: dict[str, Path] = option(flag="--adapter", help="serve a LoRA adapter as model NAME (repeatable)",
-                                       default_factory=dict)
+                                       metavar="NAME=DIR", default_factory=dict)
     log_level: str = option("info", flag="--log-level", help="trace, debug, info, warning, error or critical")
     log_format: str = option("text", flag="--log-format", help="text (key=value) or json")
     api_key: str | None = option(None, flag="--api-key", env="INFENG_API_KEY",
@@ -48,11 +50,11 @@ class ServeOptions:
                                             "(repeatable; off without it)")
     trust_request_chat_template: bool = option(False, flag="--trust-request-chat-template",
                                                help="run chat templates sent by clients")
-    max_request_bytes: int = option(4 * 2 ** 20, flag="--max-request-bytes", low=1024,
+    max_request_bytes: int = option(4 * 2 ** 20, flag="--max-request-bytes", low=1024, **SIZE,
                                     help="largest request body (413 beyond it)")
     shutdown_timeout: float = option(30.0, flag="--shutdown-timeout", low=0,
                                      help="seconds running requests get to finish on SIGTERM/SIGINT")
-    speculative: SpeculativeConfig | None = option(None, flag="--speculative",
+    speculative: SpeculativeConfig | None = option(None, flag="--speculative", parse=_speculative,
                                                    help="draft and verify several tokens per step: ngram (prompt "
                                                         "lookup), draft:ARTIFACT (a smaller model, same tokenizer); "
                                                         ":K caps the draft length")
@@ -65,7 +67,7 @@ class ServeOptions:
     grammar_mask_timeout: float = option(GrammarLimits.mask_seconds, flag="--grammar-mask-timeout", low=0.1,
                                          high=600, help="seconds one next-token mask of a grammar may take (the "
                                                         "sequence ends with an error past it)")
-    max_grammar_bytes: int = option(GrammarLimits.max_bytes, flag="--max-grammar-bytes", low=16, high=2 ** 26,
+    max_grammar_bytes: int = option(GrammarLimits.max_bytes, flag="--max-grammar-bytes", low=16, high=2 ** 26, **SIZE,
                                     help="largest grammar, regex, JSON schema or choice list (400 beyond it)")
     prefix_cache_dir: Path | None = option(None, flag="--prefix-cache-dir",
                                            help="save the prefix cache here at shutdown and load it at start "
@@ -83,6 +85,9 @@ class ServeOptions:
 
     def check(self) -> None:
         """Raise InfengError (one line, naming the flag) for a value out of range."""
+        from ..http_guard import AdapterRoots
+        from ..request_log import LOG_FORMATS, LOG_LEVELS
+
         check_ranges(self)
         if self.log_level.lower() not in LOG_LEVELS:
             raise InfengError(f"--log-level {self.log_level}: must be one of {', '.join(LOG_LEVELS)}")

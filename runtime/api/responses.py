@@ -34,7 +34,7 @@ from ..sampling import SEED_BOUND
 from ..tools import ToolCall, ToolStream
 from .bodies import MAX_TOOLS, PRIORITY_BOUND, ChatBody, validated
 from .chat import assistant_message, prepare
-from .core import RequestCore, post_route
+from .core import RequestCore, post_routes
 
 #: Input part types that carry text (``output_text``: an assistant turn given back as input).
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -282,7 +282,7 @@ class _EventWriter:
 
 def router(core: RequestCore) -> APIRouter:
     responses_api = ResponsesAPI(core)
-    return post_route(core, "/v1/responses", lambda _, http: responses_api.create(http))
+    return post_routes(core, {"/v1/responses": lambda _, http: responses_api.create(http)})
 
 
 class ResponsesAPI:

@@ -6,22 +6,12 @@ from fastapi import APIRouter, Request as HTTPRequest
 
 from ..api_errors import APIError
 from .bodies import DetokenizeBody, TokenizeBody, parse_body
-from .core import RequestCore
+from .core import RequestCore, post_routes
 from .prompts import prompt_ids, template_args
 
 
 def router(core: RequestCore) -> APIRouter:
-    routes = APIRouter()
-
-    @routes.post("/tokenize")
-    async def tokenize_route(http: HTTPRequest):
-        return await tokenize(core, http)
-
-    @routes.post("/detokenize")
-    async def detokenize_route(http: HTTPRequest):
-        return await detokenize(core, http)
-
-    return routes
+    return post_routes(core, {"/tokenize": tokenize, "/detokenize": detokenize})
 
 
 async def tokenize(core: RequestCore, http: HTTPRequest):

@@ -20,8 +20,10 @@ Per-replica Prometheus metrics go out through Ray's metrics export (``ray.serve.
 with the deployment and replica): every sample of the replica's ``/metrics``, infeng's and vLLM's
 names, with ``:`` written ``_`` as Ray requires (the names vLLM's own Ray metrics have).
 
-config.py (``RayServeConfig``, what router and replicas exchange), replica.py (``InfengEngine``),
-router.py (``InfengRouter``), app.py (``build_app``, ``deploy``, ``app_builder``). This package
+config.py (what router and replicas exchange; ``RayServeConfig`` is declared in ``ray_options.py``,
+outside this package, so the command line reads it without Ray), replica.py (``InfengEngine``),
+router.py (``InfengRouter``), app.py (``build_app``, ``deploy``, ``app_builder``, whose arguments
+``RayAppArgs`` are generated from the option declarations). This package
 imports ``ray`` (the ``infeng[ray]`` extra); nothing else in the runtime imports it.
 """
 from .app import RayAppArgs, app_builder, build_app, deploy

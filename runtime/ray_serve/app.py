@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
+from dataclasses import MISSING, Field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, create_model
+from pydantic import Field as PydanticField
 from ray import serve
 
 from infeng_common.errors import InfengError
+from infeng_common.options import Flag, flags
 
+from ..api.options import ServeOptions
 from ..request_log import configure_logging
-from ..server import ServeOptions
 from .config import ENGINE_DEPLOYMENT, ROUTER_DEPLOYMENT, RayServeConfig, adapter_slots
 from .replica import InfengEngine
 from .router import InfengRouter
@@ -108,42 +110,58 @@ def _start_failure(app_name: str) -> str | None:
     return None
 
 
-class RayAppArgs(BaseModel):
-    """The arguments of ``app_builder``, for ``serve run infeng_runtime.ray_serve:app_builder
-    artifact=DIR replicas=2`` or an ``args:`` block of a Serve config file."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    artifact: str
-    replicas: int = Field(1, ge=1)
-    min_replicas: int | None = Field(None, ge=0)
-    max_replicas: int | None = Field(None, ge=1)
-    target_ongoing_requests: float | None = Field(None, gt=0)
-    autoscaling_config: dict[str, Any] = Field(default_factory=dict)   # upscale_delay_s, downscale_delay_s, ...
-    threads_per_replica: int = Field(1, ge=1)
-    adapters: dict[str, str] = Field(default_factory=dict)   # name -> PEFT directory
-    adapters_per_replica: int | None = Field(None, ge=1)
-    router_replicas: int = Field(1, ge=1)
-    max_seqs: int = Field(16, ge=1)
-    max_context: int | None = Field(None, ge=1)
-    max_queue: int = Field(256, ge=1)
-    served_model_name: str | None = None
-    api_key: str | None = None
-    host: str = "0.0.0.0"
+def _app_argument(spec: Flag, hint: Any, declared: Field) -> tuple[Any, Any]:
+    """An option's argument of ``app_builder``: the field's type (text for a value ``spec.parse``
+    reads), its default, help and numeric range."""
+    if spec.parse is not None:
+        default = None if declared.default in (None, MISSING) else spec.text(declared.default)
+        return Optional[str], PydanticField(default, description=spec.help)
+    numeric = hint in (int, float, Optional[int], Optional[float])
+    bounds = {"ge": spec.low, "le": spec.high} if numeric else {}
+    if declared.default_factory is not MISSING:
+        return hint, PydanticField(default_factory=declared.default_factory, description=spec.help)
+    return hint, PydanticField(APP_DEFAULTS.get(declared.name, declared.default), description=spec.help, **bounds)
 
 
-def app_builder(args: RayAppArgs | dict[str, Any]):
+#: Where the app builder's default differs from the command line's: replicas listen on every interface.
+APP_DEFAULTS = {"host": "0.0.0.0"}
+#: Options the app builder does not take: a replica's threads are ``threads_per_replica``.
+NOT_APP_ARGUMENTS = ("threads",)
+
+
+def _app_arguments(options_class: type) -> dict[str, tuple[Any, Any]]:
+    hints = get_type_hints(options_class)
+    return {f.name: _app_argument(f.metadata["flag"], hints[f.name], f) for f in fields(options_class)
+            if "flag" in f.metadata and f.name not in NOT_APP_ARGUMENTS}
+
+
+#: The arguments of ``app_builder``, for ``serve run infeng_runtime.ray_serve:app_builder
+#: artifact=DIR replicas=2`` or an ``args:`` block of a Serve config file: every option of
+#: ``RayServeConfig`` and ``ServeOptions`` by its field name, generated from their declarations.
+RayAppArgs = create_model(
+    "RayAppArgs", __config__=ConfigDict(extra="forbid", coerce_numbers_to_str=True),
+    artifact=(str, ...), autoscaling_config=(dict[str, Any], PydanticField(default_factory=dict)),
+    **_app_arguments(RayServeConfig), **_app_arguments(ServeOptions))
+
+
+def _declared_values(options_class: type, args: dict[str, Any]) -> dict[str, Any]:
+    """The values of ``options_class``'s declared options among ``args``: text parsed, an unset
+    option with an environment variable read from it."""
+    values = {}
+    for name, spec in flags(options_class):
+        if name in args:
+            value = args[name]
+            if value is None and spec.env:
+                value = os.environ.get(spec.env)
+            values[name] = spec.parse(value, spec.flag) if spec.parse and value is not None else value
+    return values
+
+
+def app_builder(args: Any):
     """The application for ``serve run`` / Serve config files (the same one ``infeng serve-ray`` runs)."""
     if not isinstance(args, RayAppArgs):
         args = RayAppArgs.model_validate(args)
-    options = ServeOptions(host=args.host, max_seqs=args.max_seqs, max_context=args.max_context,
-                           max_waiting=args.max_queue, served_model_name=args.served_model_name,
-                           api_key=args.api_key or os.environ.get("INFENG_API_KEY"),
-                           adapters={name: Path(path) for name, path in args.adapters.items()})
-    return build_app(RayServeConfig(Path(args.artifact), options, replicas=args.replicas,
-                                    min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-                                    target_ongoing_requests=args.target_ongoing_requests,
-                                    autoscaling_options=args.autoscaling_config,
-                                    threads_per_replica=args.threads_per_replica,
-                                    adapters_per_replica=args.adapters_per_replica,
-                                    router_replicas=args.router_replicas))
+    given = args.model_dump()
+    options = ServeOptions(**_declared_values(ServeOptions, given))
+    return build_app(RayServeConfig(Path(args.artifact), options, autoscaling_options=args.autoscaling_config,
+                                    **_declared_values(RayServeConfig, given)))

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 from infeng_common.errors import InfengError
+from infeng_common.options import option
 
 #: Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal
 #: temperature overflows, and the distribution is one-hot long before it.
@@ -14,11 +15,14 @@ SEED_BOUND = 2 ** 64
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 64
-    temperature: float = 0.0          # 0 means greedy
-    top_k: int = 0                    # 0 means no top-k cut
-    top_p: float = 1.0
-    seed: int | None = None
+    """The options the command line offers are declared with their flags (``infeng run``, ``chat``,
+    ``generate`` take them from here); the checks below hold every request to the same bounds."""
+
+    max_new_tokens: int = option(64, flag="--max-new-tokens", short="-n", help="most tokens to generate")
+    temperature: float = option(0.0, flag="--temperature", short="-t", help="0 = greedy")
+    top_k: int = option(0, flag="--top-k", help="sample among the N most likely tokens (0 = all)")
+    top_p: float = option(1.0, flag="--top-p", help="keep the likeliest tokens up to this probability")
+    seed: int | None = option(None, flag="--seed", help="sampling seed (default: random)")
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     speculative: bool | None = None   # None/True: draft if the engine speculates; False: never

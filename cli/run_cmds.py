@@ -274,6 +274,8 @@ def chat_command(model: str = typer.Argument(..., help="compiled artifact, or a 
     from infeng_runtime.terminal_chat import ChatSession, chat_loop
 
     params = SamplingParams(**CHAT_SAMPLING.values(values))
+    if params.max_new_tokens < 1:               # an answer has a token at least (run and generate allow 0)
+        raise InfengError(f"--max-new-tokens {params.max_new_tokens}: must be at least 1")
     artifact = serving_artifact(model, compile_options(
         CHAT_COMPILE, values, max_adapters=serving_max_adapters(max_adapters, len(adapter))))
     llm = LLM(artifact, threads=threads, max_seqs=1, max_context=max_context,

@@ -71,7 +71,7 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
 
     ray_values = OptionGroup(RayServeConfig).values(values)
     options = ServeOptions(**RAY_REPLICA.values(values), threads=ray_values["threads_per_replica"])
-    options.check()
+    RayServeConfig(model, options, **ray_values).check_options()       # before MODEL is compiled
     artifact = serving_artifact(model, compile_options(
         SERVE_COMPILE, values, max_adapters=serving_max_adapters(max_adapters, len(options.adapters))))
     config = RayServeConfig(artifact, options, **ray_values)

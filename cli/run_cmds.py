@@ -152,7 +152,7 @@ def generate_command(model: Path = typer.Argument(..., help="model directory or 
 
 
 def print_stream(prompt: str, pieces, result, as_json: bool, label: str,
-                  speculative: Callable[[], dict] | None = None, source: object = "the model") -> None:
+                 speculative: Callable[[], dict] | None = None, source: object = "the model") -> None:
     """Stream ``pieces`` after the prompt to stdout (or print one JSON object), then tok/s;
     ``result()`` is the finished generation (text, token_ids, finish_reason, prompt_tokens, times);
     ``speculative()``, when given, the draft counters (JSON key ``speculative``, a line on stderr).
@@ -239,14 +239,15 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
         ids = prompt
     label = f"compiled, {llm.engine.threads} threads" + (f", adapter {use}" if use else "")
     stream = llm.stream(ids, params, adapter=use)
-    extra = None
-    if spec is not None:
-        def extra() -> dict:
-            s = llm.loop.speculator.stats
-            return {"method": spec.method, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
-                    "acceptance": round(s.accepted_tokens / s.draft_tokens, 3) if s.draft_tokens else None,
-                    "steps": llm.loop.stats.steps}
-    print_stream("" if templated else prompt, stream, lambda: stream.completion, as_json, label, extra, artifact)
+
+    def draft_counters() -> dict:
+        s = llm.loop.speculator.stats
+        return {"method": spec.method, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+                "acceptance": round(s.accepted_tokens / s.draft_tokens, 3) if s.draft_tokens else None,
+                "steps": llm.loop.stats.steps}
+
+    print_stream("" if templated else prompt, stream, lambda: stream.completion, as_json, label,
+                 draft_counters if spec is not None else None, artifact)
     llm.close()
 
 

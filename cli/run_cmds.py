@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from infeng_common.errors import InfengError
+from infeng_runtime.api.options import ServeOptions
 from infeng_runtime.sampling.params import SamplingParams
 
 from .app import app, err, fails_cleanly, progress_bar
@@ -195,24 +196,22 @@ def _finished(r, source: object):
     return r
 
 
-SPECULATIVE = typer.Option(None, "--speculative",
-                           help="draft and verify several tokens per step: ngram (prompt lookup), "
-                                "draft:ARTIFACT (a smaller model, same tokenizer); :K caps the draft length")
+#: What ``run`` offers of ``ServeOptions``: the engine's threads and speculative decoding, as ``serve``
+#: takes them.
+RUN_ENGINE = OptionGroup(ServeOptions, only=("threads", "speculative"), panel="Engine")
 
 
 @app.command("run")
 @fails_cleanly
-@takes(SAMPLING)
+@takes(SAMPLING, RUN_ENGINE)
 def run_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
                 prompt: str = typer.Argument(..., help="the text to answer or continue"),
-                threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
                 adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
                                                   help="load a LoRA adapter (repeatable)"),
                 use: Optional[str] = typer.Option(None, "--use", metavar="NAME", help="generate with adapter NAME"),
                 raw: bool = typer.Option(False, "--raw", help="continue PROMPT as plain text, without the model's "
                                                              "chat template"),
                 system: Optional[str] = typer.Option(None, "--system", help="system prompt (chat template only)"),
-                speculative: Optional[str] = SPECULATIVE,
                 as_json: bool = typer.Option(False, "--json", help="print one JSON object"), **values):
     """Answer PROMPT with a compiled artifact, streaming text, and print tok/s.
 
@@ -221,11 +220,12 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
     `infeng serve`: the same request gives the same text."""
     from infeng_runtime.chat import chat_prompt_ids, template_source
     from infeng_runtime.llm import LLM
-    from infeng_runtime.spec import parse_speculative
 
     params = SamplingParams(**SAMPLING.values(values))
-    spec = parse_speculative(speculative)
-    llm = LLM(artifact, threads=threads, max_seqs=1, adapters=parse_named_paths(adapter, "--adapter"),
+    engine = ServeOptions(**RUN_ENGINE.values(values))
+    engine.check()                              # --threads -1: one line naming the flag
+    spec = engine.speculative
+    llm = LLM(artifact, threads=engine.threads, max_seqs=1, adapters=parse_named_paths(adapter, "--adapter"),
               speculative=spec)
     templated = not raw and bool(template_source(llm.tokenizer))
     if system is not None and not templated:

@@ -126,3 +126,12 @@ def test_serve_ray_checks_its_options_before_compiling(args, message):
     pytest.importorskip("ray")
     bad = CliRunner().invoke(app, ["serve-ray", "no-such-model", *args])
     assert bad.exit_code == 2 and message in bad.output, bad.output
+
+
+def test_run_takes_threads_and_speculative_as_serve_declares_them():
+    params = {opt: p for p in typer.main.get_command(app).commands["run"].params for opt in p.opts}
+    declared = dict(flags(ServeOptions))
+    for name in ("threads", "speculative"):
+        assert params[declared[name].flag].help == declared[name].help
+    bad = CliRunner().invoke(app, ["run", "no-such-artifact", "hi", "--speculative", "bogus"])
+    assert bad.exit_code == 2 and "--speculative 'bogus'" in bad.output

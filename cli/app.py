@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
+from typer._click.exceptions import NoArgsIsHelpError, UsageError   # typer 0.29's own click (pinned)
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from infeng_common.errors import InfengError
@@ -24,7 +25,16 @@ class _ReadableParams:
     argument show no type, an option with no metavar of its own shows one from its type (N, X,
     TEXT, PATH; a choice shows the option's name, KV, and its choices go into the help text), a
     number's range is not printed (the value is still checked), and the usage line names arguments
-    in capitals: ``infeng chat [OPTIONS] MODEL``."""
+    in capitals: ``infeng chat [OPTIONS] MODEL``. A value the command line refuses (a choice, a
+    number, a missing argument) is one line and exit code 2, as an InfengError is."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except NoArgsIsHelpError:
+            raise
+        except UsageError as e:
+            _refuse(ctx, e)
 
     def get_params(self, ctx: typer.Context) -> list:
         params = super().get_params(ctx)
@@ -50,6 +60,13 @@ class _ReadableParams:
         return pieces
 
 
+def _refuse(ctx: typer.Context, error: UsageError) -> None:
+    """One line and exit code 2 (typer would print a box of usage, hint and message)."""
+    err.print(f"[bold red]error:[/] {escape(error.format_message())} (see {escape(ctx.command_path)} --help)",
+              highlight=False, soft_wrap=True)
+    raise typer.Exit(2) from None
+
+
 def _metavar(option: TyperOption) -> str:
     """An option's metavar from its type; a choice's values are appended to its help."""
     described = option.type_descriptor
@@ -70,7 +87,11 @@ class _Command(_ReadableParams, TyperCommand):
 
 
 class _Group(_ReadableParams, TyperGroup):
-    pass
+    def resolve_command(self, ctx: typer.Context, args: list[str]):
+        try:
+            return super().resolve_command(ctx, args)
+        except UsageError as e:                 # no such command
+            _refuse(ctx, e)
 
 
 class _Typer(typer.Typer):

@@ -129,9 +129,11 @@ def quant_table(report):
         table.add_column(column, justify="left" if column == "format" else "right")
     params = total = 0
     for row in report.by_format():
-        table.add_row(row["format"], str(row["tensors"]), f"{row['params']:,}", f"{row['bytes']:,}", f"{row['bpw']:.3f}")
+        table.add_row(row["format"], str(row["tensors"]), f"{row['params']:,}", f"{row['bytes']:,}",
+                      f"{row['bpw']:.3f}")
         params, total = params + row["params"], total + row["bytes"]
-    table.add_row("all matrices", str(len(report.tensors)), f"{params:,}", f"{total:,}", f"{8 * total / max(params, 1):.3f}")
+    table.add_row("all matrices", str(len(report.tensors)), f"{params:,}", f"{total:,}",
+                  f"{8 * total / max(params, 1):.3f}")
     notes = [f"{t.name}: {t.fallback_from} does not fit K={t.shape[1]}, stored as {t.format}"
              for t in report.tensors if t.fallback_from]
     notes += [f"{t.name}: K padded to {t.padded[1]} (zero columns to whole groups)" for t in report.tensors

@@ -54,7 +54,8 @@ def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
     from infeng_runtime.llm import LLM
     from infeng_runtime.sampling import SamplingParams
 
-    from infeng_compiler.compile import CompileOptions, cached_artifact
+    from infeng_compiler.compile import cached_artifact
+    from infeng_compiler.options import CompileOptions
 
     with progress_bar() as bar:
         task = bar.add_task("compile", total=None)
@@ -65,7 +66,8 @@ def _demo_chat(gguf: Path, questions: list[str], max_new_tokens: int) -> None:
                                           total=None),
             progress=lambda done, total: bar.update(task, completed=done, total=total))
     seconds = time.perf_counter() - started
-    done = "loaded the cached artifact" if hit else "compiled with the file's int4 weights (Q4_1, bit for bit) and f32 activations"
+    done = "loaded the cached artifact" if hit else \
+        "compiled with the file's int4 weights (Q4_1, bit for bit) and f32 activations"
     err.print(f"model file: {gguf}", highlight=False)
     err.print(f"{done} in {seconds:.1f} s: {artifact}", highlight=False)
     err.print(f"[dim]next: infeng chat {artifact}[/]", highlight=False)
@@ -87,7 +89,8 @@ def _demo_synthetic(workdir: Path | None, prompt: str, max_new_tokens: int) -> N
     from infeng_runtime.sampling import SamplingParams
 
     from infeng_compiler.codegen.build import cache_root
-    from infeng_compiler.compile import CompileOptions, compile_model
+    from infeng_compiler.compile import compile_model
+    from infeng_compiler.options import CompileOptions
 
     root = workdir or cache_root().parent / "demo"
     model_dir, artifact = root / "demo-model", root / "demo.infeng"

@@ -8,4 +8,5 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
-    app()
+    """``python -m infeng_cli``: the help and errors name the command ``infeng``, as installed."""
+    app(prog_name="infeng")

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from infeng_common.errors import InfengError
+from infeng_runtime.api.options import ServeOptions
 from infeng_runtime.sampling.params import SamplingParams
 
 from .app import app, err, fails_cleanly, progress_bar
@@ -152,7 +153,7 @@ def generate_command(model: Path = typer.Argument(..., help="model directory or 
 
 
 def print_stream(prompt: str, pieces, result, as_json: bool, label: str,
-                  speculative: Callable[[], dict] | None = None, source: object = "the model") -> None:
+                 speculative: Callable[[], dict] | None = None, source: object = "the model") -> None:
     """Stream ``pieces`` after the prompt to stdout (or print one JSON object), then tok/s;
     ``result()`` is the finished generation (text, token_ids, finish_reason, prompt_tokens, times);
     ``speculative()``, when given, the draft counters (JSON key ``speculative``, a line on stderr).
@@ -195,24 +196,22 @@ def _finished(r, source: object):
     return r
 
 
-SPECULATIVE = typer.Option(None, "--speculative",
-                           help="draft and verify several tokens per step: ngram (prompt lookup), "
-                                "draft:ARTIFACT (a smaller model, same tokenizer); :K caps the draft length")
+#: What ``run`` offers of ``ServeOptions``: the engine's threads and speculative decoding, as ``serve``
+#: takes them.
+RUN_ENGINE = OptionGroup(ServeOptions, only=("threads", "speculative"), panel="Engine")
 
 
 @app.command("run")
 @fails_cleanly
-@takes(SAMPLING)
+@takes(SAMPLING, RUN_ENGINE)
 def run_command(artifact: Path = typer.Argument(..., help="compiled artifact directory"),
                 prompt: str = typer.Argument(..., help="the text to answer or continue"),
-                threads: int = typer.Option(0, "--threads", min=0, help="0 = one per physical core"),
                 adapter: list[str] = typer.Option([], "--adapter", metavar="NAME=DIR",
                                                   help="load a LoRA adapter (repeatable)"),
                 use: Optional[str] = typer.Option(None, "--use", metavar="NAME", help="generate with adapter NAME"),
                 raw: bool = typer.Option(False, "--raw", help="continue PROMPT as plain text, without the model's "
                                                              "chat template"),
                 system: Optional[str] = typer.Option(None, "--system", help="system prompt (chat template only)"),
-                speculative: Optional[str] = SPECULATIVE,
                 as_json: bool = typer.Option(False, "--json", help="print one JSON object"), **values):
     """Answer PROMPT with a compiled artifact, streaming text, and print tok/s.
 
@@ -221,11 +220,12 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
     `infeng serve`: the same request gives the same text."""
     from infeng_runtime.chat import chat_prompt_ids, template_source
     from infeng_runtime.llm import LLM
-    from infeng_runtime.spec import parse_speculative
 
     params = SamplingParams(**SAMPLING.values(values))
-    spec = parse_speculative(speculative)
-    llm = LLM(artifact, threads=threads, max_seqs=1, adapters=parse_named_paths(adapter, "--adapter"),
+    engine = ServeOptions(**RUN_ENGINE.values(values))
+    engine.check()                              # --threads -1: one line naming the flag
+    spec = engine.speculative
+    llm = LLM(artifact, threads=engine.threads, max_seqs=1, adapters=parse_named_paths(adapter, "--adapter"),
               speculative=spec)
     templated = not raw and bool(template_source(llm.tokenizer))
     if system is not None and not templated:
@@ -239,14 +239,15 @@ def run_command(artifact: Path = typer.Argument(..., help="compiled artifact dir
         ids = prompt
     label = f"compiled, {llm.engine.threads} threads" + (f", adapter {use}" if use else "")
     stream = llm.stream(ids, params, adapter=use)
-    extra = None
-    if spec is not None:
-        def extra() -> dict:
-            s = llm.loop.speculator.stats
-            return {"method": spec.method, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
-                    "acceptance": round(s.accepted_tokens / s.draft_tokens, 3) if s.draft_tokens else None,
-                    "steps": llm.loop.stats.steps}
-    print_stream("" if templated else prompt, stream, lambda: stream.completion, as_json, label, extra, artifact)
+
+    def draft_counters() -> dict:
+        s = llm.loop.speculator.stats
+        return {"method": spec.method, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+                "acceptance": round(s.accepted_tokens / s.draft_tokens, 3) if s.draft_tokens else None,
+                "steps": llm.loop.stats.steps}
+
+    print_stream("" if templated else prompt, stream, lambda: stream.completion, as_json, label,
+                 draft_counters if spec is not None else None, artifact)
     llm.close()
 
 
@@ -274,6 +275,8 @@ def chat_command(model: str = typer.Argument(..., help="compiled artifact, or a 
     from infeng_runtime.terminal_chat import ChatSession, chat_loop
 
     params = SamplingParams(**CHAT_SAMPLING.values(values))
+    if params.max_new_tokens < 1:               # an answer has a token at least (run and generate allow 0)
+        raise InfengError(f"--max-new-tokens {params.max_new_tokens}: must be at least 1")
     artifact = serving_artifact(model, compile_options(
         CHAT_COMPILE, values, max_adapters=serving_max_adapters(max_adapters, len(adapter))))
     llm = LLM(artifact, threads=threads, max_seqs=1, max_context=max_context,

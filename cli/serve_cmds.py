@@ -17,11 +17,12 @@ from .compile_cmds import SERVE_COMPILE, SERVING_MAX_ADAPTERS, compile_options, 
 from .params import OptionGroup, takes
 
 
-#: What ``serve`` offers of ``ServeOptions``: all of it; ``serve-ray`` offers these per replica (its
-#: replicas' threads are ``--threads-per-replica``).
+#: What ``serve`` offers of ``ServeOptions``: all of it; ``serve-ray`` offers the address of Ray's
+#: HTTP proxy and these per replica (its replicas' threads are ``--threads-per-replica``).
 SERVE = OptionGroup(ServeOptions, panel="Server")
+RAY_PROXY = OptionGroup(ServeOptions, panel="Ray's HTTP proxy", only=("host", "port"))
 RAY_REPLICA = OptionGroup(ServeOptions, panel="Each replica",
-                          only=("host", "port", "max_seqs", "max_context", "max_queue", "served_model_name",
+                          only=("max_seqs", "max_context", "max_queue", "served_model_name",
                                 "api_key", "max_request_bytes", "kv_memory", "max_batched_tokens", "prefix_cache",
                                 "trust_request_chat_template", "shutdown_timeout", "always_include_usage",
                                 "log_format", "log_level", "speculative", "adapters"))
@@ -53,7 +54,7 @@ def serve_command(model: str = typer.Argument(..., help="compiled artifact, or a
 
 @app.command("serve-ray")
 @fails_cleanly
-@takes(OptionGroup(RayServeConfig, panel="Replicas"), RAY_REPLICA, SERVE_COMPILE)
+@takes(OptionGroup(RayServeConfig, panel="Replicas"), RAY_PROXY, RAY_REPLICA, SERVE_COMPILE)
 def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact, or a model compiled into the "
                                                                "artifact cache first (every node must see the path)"),
                       address: Optional[str] = typer.Option(None, "--address",
@@ -70,8 +71,9 @@ def serve_ray_command(model: Path = typer.Argument(..., help="compiled artifact,
         raise InfengError(f"serve-ray needs Ray Serve: pip install 'infeng[ray]' ({e})") from None
 
     ray_values = OptionGroup(RayServeConfig).values(values)
-    options = ServeOptions(**RAY_REPLICA.values(values), threads=ray_values["threads_per_replica"])
-    options.check()
+    options = ServeOptions(**RAY_PROXY.values(values), **RAY_REPLICA.values(values),
+                           threads=ray_values["threads_per_replica"])
+    RayServeConfig(model, options, **ray_values).check_options()       # before MODEL is compiled
     artifact = serving_artifact(model, compile_options(
         SERVE_COMPILE, values, max_adapters=serving_max_adapters(max_adapters, len(options.adapters))))
     config = RayServeConfig(artifact, options, **ray_values)

@@ -19,9 +19,10 @@ __all__ = ["SIZE", "Flag", "check_ranges", "flags", "option", "parse_size", "siz
 @dataclass(frozen=True)
 class Flag:
     """How one option is given: ``--flag`` (a bool field whose flag starts with ``--no-`` is set
-    false by it) or its ``short`` form (``-n``), its help, ``low <= value <= high`` (either bound may be None: no bound), an
-    environment variable read when the flag is not given, the placeholder of its value in the help
-    (``metavar``), the values it may take (``choices``), and for a value given as text, ``parse``
+    false by it) or its ``short`` form (``-n``), its help, ``low <= value <= high`` (either bound may
+    be None: no bound), an environment variable read when the flag is not given, the placeholder of
+    its value in the help (``metavar``), the values it may take (``choices``), and for a value given
+    as text, ``parse``
     (text, flag) -> value and ``text`` value -> text (the default as the help shows it)."""
 
     flag: str

@@ -40,6 +40,13 @@ class RayServeConfig:
 
     def check(self) -> None:
         """InfengError (one line, naming the flag) for a value out of range or an unusable artifact."""
+        self.check_options()
+        if self.options.adapters and not adapter_slots(self.artifact):
+            raise InfengError(f"{self.artifact}: the artifact has no LoRA slots for --adapter; compile it with "
+                              f"--max-adapters K --max-rank R")
+
+    def check_options(self) -> None:
+        """The checks that need no artifact (``infeng serve-ray`` runs them before compiling MODEL)."""
         self.options.check()
         check_ranges(self)
         if (self.min_replicas is None) != (self.max_replicas is None):
@@ -49,9 +56,6 @@ class RayServeConfig:
                               f"and --max-replicas {self.max_replicas}")
         if self.target_ongoing_requests is not None and self.target_ongoing_requests <= 0:
             raise InfengError(f"--target-ongoing-requests {self.target_ongoing_requests}: must be positive")
-        if self.options.adapters and not adapter_slots(self.artifact):
-            raise InfengError(f"{self.artifact}: the artifact has no LoRA slots for --adapter; compile it with "
-                              f"--max-adapters K --max-rank R")
         for name, path in self.options.adapters.items():
             if not Path(path).is_dir():
                 raise InfengError(f"--adapter {name}={path}: not a directory")
@@ -59,7 +63,6 @@ class RayServeConfig:
     def model_name(self) -> str:
         manifest = read_manifest(self.artifact)
         return self.options.served_model_name or manifest.get("name") or Path(self.artifact).name
-
 
 
 def adapter_slots(artifact: Path) -> int:

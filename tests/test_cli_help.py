@@ -75,3 +75,19 @@ def test_help_reads_at_80_and_120_columns(command: list[str], columns: str) -> N
     group = typer.main.get_command(app)
     for param in (group.commands[command[0]] if command else group).params:
         assert (param.help or "").strip(), f"{' '.join(command)} {param.opts[0]} has no help text"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compile", "m", "-o", "out", "--kv", "f8"], "Invalid value for '--kv'"),
+    (["compile", "m", "-o", "out", "--max-tokens", "many"], "Invalid value for '--max-tokens'"),
+    (["run"], "Missing argument 'ARTIFACT'"),
+    (["serve", "m", "--no-such-flag"], "No such option: --no-such-flag"),
+    (["no-such-command"], "No such command 'no-such-command'"),
+])
+def test_a_value_the_command_line_refuses_is_one_line(args: list[str], message: str) -> None:
+    """What typer refuses (a choice, a number, a missing argument, an unknown flag or command) is one
+    line naming it and the help to read, exit code 2, as an InfengError is."""
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr

@@ -110,3 +110,28 @@ def test_compile_options_are_checked_with_one_line():
         CompileOptions(merge=["a"]).check()
     bad = CliRunner().invoke(app, ["compile", "model-dir", "-o", "out", "--kv-window", "-1"])
     assert bad.exit_code == 2 and "--kv-window -1: must be at least 0" in bad.output
+
+
+def test_chat_refuses_an_answer_of_no_tokens():
+    """``chat -n 0`` is one line and exit 2 (``run`` and ``generate`` allow 0), before MODEL is looked at."""
+    bad = CliRunner().invoke(app, ["chat", "no-such-model", "-n", "0"])
+    assert bad.exit_code == 2 and "--max-new-tokens 0: must be at least 1" in bad.output
+
+
+@pytest.mark.parametrize("args, message", [(["--replicas", "0"], "--replicas 0: must be at least 1"),
+                                           (["--min-replicas", "1"], "give --min-replicas and --max-replicas"),
+                                           (["--adapter", "a=no-such-dir"], "--adapter a=no-such-dir: not a directory")])
+def test_serve_ray_checks_its_options_before_compiling(args, message):
+    """A bad replica option is refused before MODEL is compiled (here MODEL does not even exist)."""
+    pytest.importorskip("ray")
+    bad = CliRunner().invoke(app, ["serve-ray", "no-such-model", *args])
+    assert bad.exit_code == 2 and message in bad.output, bad.output
+
+
+def test_run_takes_threads_and_speculative_as_serve_declares_them():
+    params = {opt: p for p in typer.main.get_command(app).commands["run"].params for opt in p.opts}
+    declared = dict(flags(ServeOptions))
+    for name in ("threads", "speculative"):
+        assert params[declared[name].flag].help == declared[name].help
+    bad = CliRunner().invoke(app, ["run", "no-such-artifact", "hi", "--speculative", "bogus"])
+    assert bad.exit_code == 2 and "--speculative 'bogus'" in bad.output

@@ -68,7 +68,7 @@ def test_every_stage_and_a_diff(profiled, page):
     open_explorer(page, html.as_uri())
     names = page.locator("#timeline .stage").evaluate_all("buttons => buttons.map(b => b.dataset.stage)")
     assert names == [*expected, "lower"]
-    assert list(expected) == ["import", "cast-weights", "fuse-linears"]
+    assert list(expected) == ["import", "cast-weights", "fuse-linears", "plan-memory"]
     before, after = expected["cast-weights"], expected["fuse-linears"]
     added = [i for i in after if i not in before]
     removed = [i for i in before if i not in after]

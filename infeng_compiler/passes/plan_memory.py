@@ -5,7 +5,8 @@ lowering only reads it.
 The arena is planned by a linear scan over the node order, in floats per token row: a node's
 results take slices first (``rope`` writes over its input in place when nothing reads that input
 afterwards), then its kernels' scratch rows (``codegen/footprint.py``) are taken and given back,
-then every input read for the last time is given back. A freed slice is reused by the next value
+then every value whose live range ends at the node is given back: its inputs read for the last
+time, the f32 rows under int rows read for the last time (``ir/memory.py``), a result nobody reads. A freed slice is reused by the next value
 of the same (16-float aligned) width, the most recently freed first; the arena's peak is the
 highest offset reached. Weights are placed in ``weights.bin`` in the order the nodes first read
 them, each 64-byte aligned.
@@ -44,6 +45,9 @@ def plan_memory(graph: Graph) -> MemoryPlan:
     slices: dict[str, tuple[int, int]] = {}     # value name -> (offset, floats per row) of its slice
     holding: dict[str, list[str]] = {}         # value name -> the values its slice holds (in place: several)
     buffers: list[ArenaBuffer] = []
+    ending: dict[int, list[str]] = {}          # node index -> the values whose live range ends there
+    for name, (_, last) in live.items():
+        ending.setdefault(last, []).append(name)
     for i, n in enumerate(graph.nodes):
         x = n.inputs[0] if n.inputs else None
         alias = x if n.op == "rope" and x is not None and live.get(x.name, (0, -1))[1] == i else None
@@ -58,9 +62,10 @@ def plan_memory(graph: Graph) -> MemoryPlan:
         for name, width, offset in taken:
             buffers.append(ArenaBuffer((n.outputs[0].name,), offset, align(width, ARENA_ALIGN), i, i, name))
             arena.give(offset, width)
-        for v in dict.fromkeys(n.inputs):              # a value read twice is given back once
-            if v.name in live and live[v.name][1] == i and v is not alias:
-                arena.give(*slices[v.name])
+        for name in dict.fromkeys([v.name for v in n.inputs if v.name in live and live[v.name][1] == i] +
+                                  ending.get(i, [])):   # the inputs first, then the f32 rows under int rows
+            if name in slices and (alias is None or name != alias.name):
+                arena.give(*slices[name])
     for values in holding.values():
         offset, width = slices[values[0]]
         buffers.append(ArenaBuffer(tuple(values), offset, align(width, ARENA_ALIGN), live[values[0]][0],

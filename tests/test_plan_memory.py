@@ -18,6 +18,7 @@ from infeng_compiler.codegen.target import TARGETS, get_target
 from infeng_compiler.compile import CompileOptions, run_pipeline
 from infeng_compiler.ir import Graph, parse, print_graph
 from infeng_compiler.ir.memory import MemoryPlan
+from infeng_compiler.ir.serialize import from_json, to_json
 from infeng_compiler.passes.manager import PassManager, parse_pipeline
 
 PEAKS = json.loads((Path(__file__).parent / "golden" / "plan_memory_peaks.json").read_text())["peaks"]
@@ -57,6 +58,7 @@ def test_plan_text_values_in_place_scratch_and_weights() -> None:
     """)
     again = parse(print_graph(g))
     assert again == g and again.memory.signature() == g.memory.signature()
+    assert from_json(to_json(g)) == g
     rerun = PassManager(parse_pipeline("plan-memory"))
     rerun.run(g)
     assert rerun.records[0].changed is False and rerun.records[0].tolerance == 0

@@ -28,7 +28,7 @@ The text form (after ``return``; ``print_graph``/``parse`` round-trip it, docs/i
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from infeng_common.errors import IRError
@@ -84,6 +84,18 @@ class MemoryPlan:
 
     def signature(self) -> tuple:
         return (self.arena_floats, self.weights_bytes, tuple(self.buffers), tuple(self.weights))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (``infeng ir --format json``); ``from_dict`` reads it back."""
+        return {"arena_floats": self.arena_floats, "weights_bytes": self.weights_bytes,
+                "buffers": [{**asdict(b), "values": list(b.values)} for b in self.buffers],
+                "weights": [asdict(w) for w in self.weights]}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> MemoryPlan:
+        return cls(doc["arena_floats"], doc["weights_bytes"],
+                   [ArenaBuffer(**{**b, "values": tuple(b["values"])}) for b in doc["buffers"]],
+                   [WeightPlacement(**w) for w in doc["weights"]])
 
     # -- text --------------------------------------------------------------------------------
     def text_lines(self) -> list[str]:

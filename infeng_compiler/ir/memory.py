@@ -16,14 +16,14 @@ the logits gather them, an adapter's delta and an f32 fallback read them); a scr
 its node; a weight from its first reader to its last (``weights.bin`` is mapped whole: the range
 says who reads it). Two arena buffers whose live ranges meet must not overlap (``check_plan``).
 
-The text form (after ``return``; ``print_graph``/``parse`` round-trip it, docs/ir.md):
+The text form (after ``return``; ``print_graph``/``parse`` round-trip it, docs/ir.md), stories260K:
 
-    # memory: arena peak 5,056 bytes per token row (1,264 floats), 41 buffers; weights.bin 1,040,128 bytes
+    # memory: arena peak 5,056 bytes per token row (1,264 floats), 77 buffers, 1 scratch; weights.bin 1,040,128 bytes
     memory {arena_floats=1264, weights_bytes=1040128}
-    arena %embed {offset=0, size=64, live=[0, 5]}
-    arena %l0.q, %l0.q_rot {offset=128, size=64, live=[3, 7]}
-    scratch rows of %logits {offset=64, size=64, live=[47, 47]}
-    place @model.embed_tokens.weight {offset=0, size=131072, live=[0, 47]}
+    arena %embed {offset=0, size=64, live=[0, 8]}
+    arena %l0.q, %l0.q_rot {offset=64, size=64, live=[3, 6]}
+    scratch rows of %logits {offset=0, size=64, live=[72, 72]}
+    place @model.embed_tokens.weight {offset=0, size=131072, live=[0, 72]}
 """
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ def test_served_explorer(profiled, page, tmp_path):
         assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
         assert httpx.get(url + "/nothing.js").status_code == 404
         open_explorer(page, url + "/")
-        assert page.locator("#timeline .stage").count() == 4
+        assert page.locator("#timeline .stage").count() == 5      # import, 3 passes, lower
         assert page.errors == [] and page.console_errors == []
     finally:
         proc.terminate()

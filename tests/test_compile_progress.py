@@ -12,7 +12,8 @@ def test_passes_and_their_steps_report_progress(stories_dir) -> None:
     counts: list[tuple[int, int]] = []
     run_pipeline(stories_dir, CompileOptions(quant="int8"), stage=stages.append,
                  progress=lambda done, total: counts.append((done, total)))
-    assert stages == ["pass cast-weights", "pass quantize", "quantize: search", "pass fuse-linears"]
+    assert stages == ["pass cast-weights", "pass quantize", "quantize: search", "pass fuse-linears",
+                      "pass plan-memory"]
     total = counts[-1][1]
     assert total > 1 and counts == [(i, total) for i in range(1, total + 1)]
 

@@ -211,7 +211,7 @@ def test_artifact_layout(compiled):
     for name in ("libmodel.so", "weights.bin", "ir.txt", "manifest.json"):
         assert (artifact / name).is_file()
     assert (artifact / "src" / "model.c").is_file()
-    assert manifest["format_version"] == 1 and manifest["pipeline"] == "cast-weights(f32),fuse-linears"
+    assert manifest["format_version"] == 1 and manifest["pipeline"] == "cast-weights(f32),fuse-linears,plan-memory"
     assert all(t["offset"] % 64 == 0 for t in manifest["tensors"])
     assert (artifact / "weights.bin").stat().st_size == manifest["weights_bytes"]
 

@@ -18,7 +18,8 @@ def test_after_all_prints_every_pass_then_the_lowered_calls(stories_dir):
     result = run(str(stories_dir), "--quant", "int4", "--kv", "fht-int8", "--target", "avx512", "--after", "all")
     assert result.exit_code == 0, result.output
     stages = re.findall(r"^# after (\S+)$", result.stdout, re.M)
-    assert stages == ["import", "fht-kv", "kv-format", "cast-weights", "quantize", "fuse-linears", "lower"]
+    assert stages == ["import", "fht-kv", "kv-format", "cast-weights", "quantize", "fuse-linears", "plan-memory",
+                      "lower"]
     quantized = result.stdout.split("# after quantize\n")[1].split("# after fuse-linears")[0]
     assert ': q4g32[' in quantized
     lowered = result.stdout.split("# after lower\n")[1]

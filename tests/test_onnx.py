@@ -148,7 +148,7 @@ def test_cli_ir_after_raise_and_onnx_export(onnx_model, model_dir, tmp_path):
     result = CliRunner().invoke(app, ["ir", model, "--after", "all"])
     assert [ln for ln in result.stdout.splitlines() if ln.startswith("# after")] == \
         ["# after import", "# after fold-shapes", "# after raise", "# after cast-weights", "# after fuse-linears",
-         "# after lower"]
+         "# after plan-memory", "# after lower"]
     for source, name in ((model, "raised.onnx"), (str(model_dir("llama")), "hf.onnx")):
         result = CliRunner().invoke(app, ["ir", source, "--format", "onnx", "-o", str(tmp_path / name)])
         assert result.exit_code == 0, result.output

@@ -233,6 +233,7 @@ REGISTRY_CASES = {
     "raise": RegistryCase("raise", setup="fold-shapes", onnx=True),
     # stories260K has no experts: the pass must leave it exact (MoE numerics: test_moe.py)
     "experts-act": RegistryCase("experts-act(q8)", changes=False),
+    "plan-memory": RegistryCase("plan-memory"),          # records the plan; no value changes
 }
 
 
@@ -307,7 +308,7 @@ def test_the_compile_pipeline_lists_every_pass_it_runs() -> None:
 
     assert CompileOptions(kv="fht-int8", kv_window=16, quant="int4").pipeline() == [
         ("fht-kv", []), ("kv-format", ["int8", "window=16"]), ("cast-weights", ["f32"]), ("quantize", ["int4"]),
-        ("fuse-linears", [])]
+        ("fuse-linears", []), ("plan-memory", [])]
 
 
 def test_no_pass_imports_a_frontend() -> None:
@@ -331,7 +332,7 @@ def test_build_pipeline_returns_named_phases() -> None:
     phases = build_pipeline(CompileOptions(kv="fht-int8", quant="int4", max_adapters=2))
     assert [p.name for p in phases] == list(COMPILE_PHASES) == ["model", "storage", "fusion", "memory"]
     assert [[n for n, _ in p.entries] for p in phases] == [
-        ["lora-slots"], ["fht-kv", "kv-format", "cast-weights", "quantize"], ["fuse-linears"], []]
+        ["lora-slots"], ["fht-kv", "kv-format", "cast-weights", "quantize"], ["fuse-linears"], ["plan-memory"]]
     explicit = phases_of(parse_pipeline("cast-weights(f16),fuse-linears,quantize(int8)"))
     assert [(p.name, [n for n, _ in p.entries]) for p in explicit] == [
         ("storage", ["cast-weights"]), ("fusion", ["fuse-linears"]), ("storage", ["quantize"])]

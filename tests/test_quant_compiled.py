@@ -69,7 +69,7 @@ def test_compiled_matches_interpreter(artifacts, stories_dir, preset: str, targe
 
 def test_manifest_records_quantization(artifacts) -> None:
     manifest = json.loads((artifacts("int4") / "manifest.json").read_text())
-    assert manifest["pipeline"].endswith("quantize(int4),fuse-linears")
+    assert manifest["pipeline"].endswith("quantize(int4),fuse-linears,plan-memory")
     quant = manifest["quant"]
     assert {r["format"] for r in quant["by_format"]} == {"q8r", "q4g32"}
     tensors = {t["name"]: t for t in manifest["tensors"]}

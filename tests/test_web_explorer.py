@@ -68,7 +68,7 @@ def test_every_stage_and_a_diff(profiled, page):
     open_explorer(page, html.as_uri())
     names = page.locator("#timeline .stage").evaluate_all("buttons => buttons.map(b => b.dataset.stage)")
     assert names == [*expected, "lower"]
-    assert list(expected) == ["import", "cast-weights", "fuse-linears"]
+    assert list(expected) == ["import", "cast-weights", "fuse-linears", "plan-memory"]
     before, after = expected["cast-weights"], expected["fuse-linears"]
     added = [i for i in after if i not in before]
     removed = [i for i in before if i not in after]
@@ -146,7 +146,7 @@ def test_served_explorer(profiled, page, tmp_path):
         assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
         assert httpx.get(url + "/nothing.js").status_code == 404
         open_explorer(page, url + "/")
-        assert page.locator("#timeline .stage").count() == 4
+        assert page.locator("#timeline .stage").count() == 5      # import, 3 passes, lower
         assert page.errors == [] and page.console_errors == []
     finally:
         proc.terminate()

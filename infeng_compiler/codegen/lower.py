@@ -1,30 +1,30 @@
 """Lowering: an IR graph -> the straight-line forward step as kernel calls over a static arena.
 
-Every activation value gets a slice of one arena, sized per token row (``MAX_TOKENS`` rows);
-slices are reused once their value is dead (linear-scan allocation over the node order). Weights
-get 64-byte aligned offsets into ``weights.bin``. Each call names a ``KernelSpec``; identical specs
-(all layers of a model) share one rendered kernel.
+Every activation value, every kernel's scratch rows and every weight sit where the graph's memory
+plan puts them (``Graph.memory``, recorded by the ``plan-memory`` pass: arena slices in floats per
+token row, ``MAX_TOKENS`` rows each, and byte offsets into ``weights.bin``); lowering plans nothing
+itself. Each call names a ``KernelSpec``; identical specs (all layers of a model) share one
+rendered kernel.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from infeng_common.errors import UnsupportedError
+from infeng_common.errors import InfengError, UnsupportedError
 
 from ..ir import Graph, Node, Value, Weight
 from ..ir.ops import attention_weights, rope_inv_freq
-from ..quant.act import act_row_layout
 from ..quant.formats import get_format, is_quantized
 from ..quant.kv import QUANTIZED, attention_kv_formats, layer_block_bytes, plain_f32
 from . import quant_kernels  # noqa: F401  (registers the quantized kernels)
+from .footprint import align, expert_work_rows, static_width, weight_nbytes
 from .kernels import KVQ_RING_ALIGN, KernelSpec
-from .moe_kernels import check_expert_formats, expert_linears, quantized_row_floats
+from .moe_kernels import check_expert_formats, expert_linears
 from .quant_kernels import linear_op
 from .target import Target
 
-WEIGHT_ALIGN = 64
+__all__ = ["Call", "LoweredModel", "ProfileEntry", "WeightSlot", "align", "describe", "lower", "weight_nbytes"]
 
 
 @dataclass
@@ -72,36 +72,6 @@ class LoweredModel:
     profile: list[ProfileEntry] = field(default_factory=list)   # one per IR node, in order
 
 
-def weight_nbytes(w: Weight) -> int:
-    """Bytes of a weight in weights.bin: its quantized layout, or its elements in f32/f16/bf16."""
-    if is_quantized(w.format):
-        shape = tuple(w.type.shape)           # stacked experts [E, N, K]: E layouts of [N, K], one [E*N, K]
-        return get_format(w.format).nbytes(shape if len(shape) == 2 else (math.prod(shape[:-1]), shape[-1]))
-    return w.type.numel() * (4 if w.format == "f32" else 2)
-
-
-def align(n: int, to: int = WEIGHT_ALIGN) -> int:
-    return (n + to - 1) // to * to
-
-
-class _Arena:
-    """Linear-scan allocation of per-row float slices; a freed slice is reused by an equal width."""
-
-    def __init__(self) -> None:
-        self.top = 0
-        self.free: dict[int, list[int]] = {}
-
-    def take(self, width: int) -> int:
-        width = align(width, 16)              # keep every slice 64-byte aligned
-        if self.free.get(width):
-            return self.free[width].pop()
-        offset, self.top = self.top, self.top + width
-        return offset
-
-    def give(self, offset: int, width: int) -> None:
-        self.free.setdefault(align(width, 16), []).append(offset)
-
-
 def describe(lowered: LoweredModel) -> str:
     """The lowered model as text (``infeng ir --after lower``): one line per kernel call of the
     forward step with its symbol, static parameters and arguments (weights at their byte offsets in
@@ -130,14 +100,19 @@ def lower(graph: Graph, target: Target, *, max_tokens: int, block_size: int) -> 
 
 class _Lowering:
     def __init__(self, graph: Graph, target: Target, max_tokens: int, block_size: int):
+        if graph.memory is None:
+            raise InfengError(f"{graph.name}: the graph has no memory plan; run the plan-memory pass (the "
+                              f"pipeline's memory phase) before lowering")
         self.g, self.target = graph, target
         self.max_tokens, self.block_size = max_tokens, block_size
         self.calls: list[Call] = []
         self.specs: dict[KernelSpec, None] = {}
-        self.weight_slots: dict[str, WeightSlot] = {}
-        self.weights_top = 0
-        self.arena = _Arena()
-        self.slice: dict[str, int] = {}          # value name -> arena offset (floats per row)
+        plan = graph.memory
+        self.weight_slots: dict[str, WeightSlot] = {
+            p.name: WeightSlot(p.name, graph.weights[p.name].format, tuple(graph.weights[p.name].type.shape), p.offset,
+                               p.size) for p in plan.weights}
+        self.slice = plan.value_offsets()                # value name -> arena offset (floats per row)
+        self.scratch_slice = plan.scratch_offsets()      # (node's first result, scratch name) -> arena offset
         self.node = 0                            # index of the node being lowered
         self.lora_sites: list[dict[str, Any]] = []   # one per lora_linear node
         self.lora_shape = (0, 0)                 # (adapter slots, max rank)
@@ -150,36 +125,37 @@ class _Lowering:
         return spec
 
     def weight(self, w: Weight) -> str:
-        """C expression for a weight pointer, allocating it in weights.bin on first use."""
-        if w.name not in self.weight_slots:
-            nbytes = weight_nbytes(w)
-            self.weight_slots[w.name] = WeightSlot(w.name, w.format, tuple(w.type.shape), self.weights_top, nbytes)
-            self.weights_top = align(self.weights_top + nbytes)
-        slot = self.weight_slots[w.name]
+        """C expression for a weight pointer, at its offset in weights.bin."""
+        slot = self.weight_slots.get(w.name)
+        if slot is None or slot.nbytes != weight_nbytes(w):
+            raise self.stale_plan(f"@{w.name} " + ("is not placed in weights.bin" if slot is None else
+                                                   f"takes {weight_nbytes(w)} bytes, placed as {slot.nbytes}"))
         ctype = "float" if slot.format == "f32" else "uint8_t" if is_quantized(slot.format) else "uint16_t"
         return f"(const {ctype} *)(weights + {slot.offset})"
 
     def buf(self, v: Value) -> str:
+        if v.name not in self.slice:
+            raise self.stale_plan(f"%{v.name} has no arena slice")
         return f"(arena + {self.slice[v.name]} * IFE_MAX_TOKENS)"
 
-    @staticmethod
-    def width(v: Value) -> int:
-        w = v.type.shape[-1]
-        if not isinstance(w, int):
-            raise UnsupportedError(f"%{v.name}: the last dimension must be static, got {v.type}")
-        return w
+    def scratch(self, n: Node, name: str) -> str:
+        """The arena rows of scratch buffer ``name`` of node ``n`` (``footprint.scratch_rows``)."""
+        key = (n.outputs[0].name, name)
+        if key not in self.scratch_slice:
+            raise self.stale_plan(f"no scratch {name!r} for %{key[0]}")
+        return f"(arena + {self.scratch_slice[key]} * IFE_MAX_TOKENS)"
+
+    def stale_plan(self, what: str) -> InfengError:
+        return InfengError(f"{self.g.name}: the memory plan does not fit the graph ({what}); plan-memory must run "
+                           f"after every pass that changes the graph")
+
+    width = staticmethod(static_width)
 
     # -- the walk -------------------------------------------------------------------------
     def run(self) -> LoweredModel:
         from ..ir.printer import format_node
 
-        last_use: dict[str, int] = {}
         self.producers, self.users = self.g.producers(), self.g.users()
-        for i, n in enumerate(self.g.nodes):
-            for v in n.inputs:
-                last_use[v.name] = i
-                if self.quantized_from(v) is not None:    # logits/LoRA read the f32 rows too
-                    last_use[self.quantized_from(v).name] = i
         graph_inputs = {v.name for v in self.g.inputs}
         unknown = graph_inputs - {"tokens", "positions", "adapter_slots"}
         if unknown:
@@ -188,21 +164,12 @@ class _Lowering:
         for i, n in enumerate(self.g.nodes):
             self.node = i
             profile.append(self.profile_entry(n))
-            comment = format_node(n)
-            alias = self.aliasable(n, last_use, i)
-            for v in n.outputs:
-                if n.op == "logits":
-                    continue
-                self.slice[v.name] = self.slice[alias.name] if alias is not None else self.arena.take(self.floats(v))
-            getattr(self, f"lower_{n.op}", self.unsupported)(n, comment)
-            for v in n.inputs:
-                if last_use.get(v.name) == i and v.name not in graph_inputs and v is not alias:
-                    self.arena.give(self.slice[v.name], self.floats(v))
+            getattr(self, f"lower_{n.op}", self.unsupported)(n, format_node(n))
         c = self.g.meta
         attn = [n for n in self.g.nodes if n.op == "attention"]
         return LoweredModel(
-            self.target, self.calls, list(self.specs), list(self.weight_slots.values()), self.weights_top,
-            self.arena.top,
+            self.target, self.calls, list(self.specs), list(self.weight_slots.values()), self.g.memory.weights_bytes,
+            self.g.memory.arena_floats,
             {"max_tokens": self.max_tokens, "block_size": self.block_size, "vocab_size": c["vocab_size"],
              "hidden_size": c["hidden_size"], "n_layers": len(attn),
              "n_kv_heads": attn[0].attrs["n_kv_heads"] if attn else 0,
@@ -222,13 +189,6 @@ class _Lowering:
         return {"expert_weights_bytes": sum(self.weight_slots[name].nbytes for name in names),
                 "experts_per_token_share": share}
 
-    def floats(self, v: Value) -> int:
-        """Arena floats per token row of ``v``: its width, or a quantized activation row's bytes / 4."""
-        p = self.producers.get(v.name)
-        if p is not None and p.op == "quantize_act":
-            return act_row_layout(self.width(v), p.attrs["bits"])["row_bytes"] // 4
-        return self.width(v)
-
     def quantized_from(self, v: Value) -> Value | None:
         """The f32 value ``v`` quantizes, when a ``quantize_act`` produces ``v``."""
         p = self.producers.get(v.name)
@@ -245,12 +205,6 @@ class _Lowering:
             weight_bytes = weight_bytes * top_k // n_experts
             flops = 2 * (n.weights[0].type.numel() + n.weights[1].type.numel()) * top_k // n_experts
         return ProfileEntry(n.outputs[0].name, n.op, weight_bytes, flops)
-
-    def aliasable(self, n: Node, last_use: dict[str, int], i: int) -> Value | None:
-        """In-place ops write over their input when nothing reads it afterwards."""
-        if n.op == "rope" and last_use.get(n.inputs[0].name) == i:
-            return n.inputs[0]
-        return None
 
     def unsupported(self, n: Node, comment: str) -> None:
         raise UnsupportedError(f"codegen has no kernel for op {n.op!r} ({comment})")
@@ -351,12 +305,11 @@ class _Lowering:
         self.lora_shape = (a["max_adapters"], a["max_rank"])
         spec = self.spec("lora_apply", K=w.type.shape[1], N=w.type.shape[0], R=a["max_rank"],
                          slots=a["max_adapters"])
-        x, rows = self.buf(n.inputs[0]), None
+        x = self.buf(n.inputs[0])
         q = self.producers.get(n.inputs[0].name)
         if q is not None and q.op == "quantize_act":      # the delta reads the values the rows stand for
             K = w.type.shape[1]
-            rows = self.arena.take(K)
-            x = f"(arena + {rows} * IFE_MAX_TOKENS)"
+            x = self.scratch(n, "rows")
             below = q.attrs.get("f32_below", 0)
             deq = self.spec("dequantize_act", K=K, bits=q.attrs["bits"], block=q.attrs["block"])
             self.emit(deq, [f"(const uint8_t *){self.buf(n.inputs[0])}", "T", x], comment + "  [adapter input]",
@@ -366,22 +319,18 @@ class _Lowering:
         self.emit(spec, [x, "T", "adapter_slots", f"m->lora_rank[{site}]",
                          f"m->lora_scale[{site}]", f"m->lora_a[{site}]", f"m->lora_bt[{site}]", self.buf(n.output)],
                   comment + "  [adapter deltas]", guard="adapter_slots")
-        if rows is not None:
-            self.arena.give(rows, w.type.shape[1])
 
     def lower_logits(self, n: Node, comment: str) -> None:
         w = n.weights[0]
         hidden = w.type.shape[1]
-        rows = self.arena.take(hidden)
+        x = self.scratch(n, "rows")
         source = self.quantized_from(n.inputs[0]) or n.inputs[0]
         gather = self.spec("gather_rows", H=hidden)
-        self.emit(gather, [self.buf(source), "logits_rows", "R", f"(arena + {rows} * IFE_MAX_TOKENS)"],
-                  comment + "  [rows that want logits]", guard="R > 0")
-        x = f"(arena + {rows} * IFE_MAX_TOKENS)"
+        self.emit(gather, [self.buf(source), "logits_rows", "R", x], comment + "  [rows that want logits]",
+                  guard="R > 0")
         op = linear_op(w.format)
         if op in ("linear_q4", "linear_q8"):
             self.integer_logits(n, w, x, comment)
-            self.arena.give(rows, hidden)
             return
         if op is None:
             spec = self.spec("linear", K=hidden, N=w.type.shape[0], wdtype=w.format)
@@ -390,7 +339,6 @@ class _Lowering:
         else:
             spec = self.spec(op, K=hidden, N=w.type.shape[0], wformat=w.format)
         self.emit(spec, ["pool", x, "R", self.weight(w), "NULL", "logits"], comment, guard="R > 0")
-        self.arena.give(rows, hidden)
 
     def integer_logits(self, n: Node, w: Weight, x: str, comment: str) -> None:
         """Logits of an integer weight over the R gathered f32 rows at ``x``: quantized first (on
@@ -407,15 +355,11 @@ class _Lowering:
                       ["pool", f"(const void *){x}", "R", self.weight(w), "NULL", "logits"],
                       comment + "  [f32 activations]", guard=f"R > 0 && T < {below}")
         guard = f"R > 0 && T >= {below}" if below else "R > 0"
-        qfloats = act_row_layout(hidden, q.attrs["bits"])["row_bytes"] // 4
-        qrows = self.arena.take(qfloats)
+        qrows = self.scratch(n, "qrows")
         quant = self.spec("quantize_act", K=hidden, bits=q.attrs["bits"], block=q.attrs["block"])
-        self.emit(quant, [x, "R", f"(uint8_t *)(arena + {qrows} * IFE_MAX_TOKENS)"],
-                  comment + "  [quantize those rows]", guard=guard)
+        self.emit(quant, [x, "R", f"(uint8_t *){qrows}"], comment + "  [quantize those rows]", guard=guard)
         self.emit(self.spec(linear_op(w.format), K=hidden, N=w.type.shape[0], wformat=w.format),
-                  ["pool", f"(const void *)(arena + {qrows} * IFE_MAX_TOKENS)", "R", self.weight(w), "NULL", "logits"],
-                  comment, guard=guard)
-        self.arena.give(qrows, qfloats)
+                  ["pool", f"(const void *){qrows}", "R", self.weight(w), "NULL", "logits"], comment, guard=guard)
 
     def lower_rope(self, n: Node, comment: str) -> None:
         x, out = n.inputs[0], n.output
@@ -499,17 +443,14 @@ class _Lowering:
         if linear_op(w.format) is not None:
             raise UnsupportedError(f"router weights in format {w.format} have no kernel (f32/f16/bf16): {comment}")
         E, H = w.type.shape
-        logits = self.arena.take(E)
+        logits = self.scratch(n, "logits")
         bias = self.weight(n.weights[1]) if len(n.weights) > 1 else "NULL"
         self.emit(self.spec("linear", K=H, N=E, wdtype=w.format),
-                  ["pool", self.buf(n.inputs[0]), "T", self.weight(w), bias, f"(arena + {logits} * IFE_MAX_TOKENS)"],
-                  comment + "  [router logits]")
+                  ["pool", self.buf(n.inputs[0]), "T", self.weight(w), bias, logits], comment + "  [router logits]")
         weights, ids = n.outputs
         spec = self.spec("router", E=E, top_k=n.attrs["top_k"], scoring=n.attrs["scoring"],
                          renormalize=n.attrs["renormalize"])
-        self.emit(spec, [f"(arena + {logits} * IFE_MAX_TOKENS)", "T", self.buf(weights), f"(int32_t *){self.buf(ids)}"],
-                  comment)
-        self.arena.give(logits, E)
+        self.emit(spec, [logits, "T", self.buf(weights), f"(int32_t *){self.buf(ids)}"], comment)
 
     def lower_experts(self, n: Node, comment: str) -> None:
         """The expert-grouped driver over the linear kernels of the expert weights' format, with its
@@ -531,19 +472,13 @@ class _Lowering:
         for called in (linears["gate_up"], linears["down"], linears["quant_x"], linears["quant_act"]):
             if called is not None:
                 self.specs.setdefault(called, None)
-        widths = {"pairs": top_k, "xg": H, "h": two_i, "act": two_i // 2, "y": H,
-                  "xq": quantized_row_floats(linears["quant_x"], H),
-                  "actq": quantized_row_floats(linears["quant_act"], two_i // 2)}
-        work = {name: self.arena.take(width) for name, width in widths.items() if width}
-        buf = {name: f"(arena + {offset} * IFE_MAX_TOKENS)" for name, offset in work.items()}
+        buf = {name: self.scratch(n, name) for name, width in expert_work_rows(n).items() if width}
         x, rw, ids = n.inputs
         self.emit(spec, ["pool", self.buf(x), "T", self.buf(rw), f"(const int32_t *){self.buf(ids)}",
                          self.weight(gate_up), self.weight(down),
                          self.weight(biases[0]) if biases else "NULL", self.weight(biases[1]) if biases else "NULL",
                          f"(int32_t *){buf['pairs']}", buf["xg"], buf.get("xq", "NULL"), buf["h"], buf["act"],
                          buf.get("actq", "NULL"), buf["y"], self.buf(n.output)], comment)
-        for name, offset in work.items():
-            self.arena.give(offset, widths[name])
 
     def lower_head_rms_norm(self, n: Node, comment: str) -> None:
         spec = self.spec("head_rms_norm", H=self.width(n.output), head_dim=n.attrs["head_dim"], eps=float(n.attrs["eps"]))

@@ -14,6 +14,7 @@ import numpy as np
 from infeng_common.errors import IRError, ModelFormatError
 
 from . import storage
+from .memory import MemoryPlan
 from .types import DTYPES, TensorType, bf16_to_f32, f32_to_bf16
 
 
@@ -134,7 +135,8 @@ def _freeze(obj: Any) -> Any:
 
 
 class Graph:
-    """An ordered SSA graph with weights and free-form metadata (``meta``: the model config)."""
+    """An ordered SSA graph with weights and free-form metadata (``meta``: the model config), and
+    the memory plan ``plan-memory`` records (``memory``, ``ir/memory.py``; None before it runs)."""
 
     def __init__(self, name: str = "main", meta: dict[str, Any] | None = None):
         self.name = name
@@ -143,6 +145,7 @@ class Graph:
         self.weights: dict[str, Weight] = {}
         self.nodes: list[Node] = []
         self.outputs: list[Value] = []
+        self.memory: MemoryPlan | None = None
         self._names: set[str] = set()
 
     # -- building -------------------------------------------------------------------------
@@ -244,7 +247,8 @@ class Graph:
     def signature(self) -> tuple:
         return (self.name, _freeze(self.meta), tuple((v.name, v.type) for v in self.inputs),
                 tuple(w.signature() for w in self.weights.values()),
-                tuple(n.signature() for n in self.nodes), tuple(v.name for v in self.outputs))
+                tuple(n.signature() for n in self.nodes), tuple(v.name for v in self.outputs),
+                self.memory.signature() if self.memory is not None else None)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Graph) and self.signature() == other.signature()

@@ -10,9 +10,10 @@ import numpy as np
 from infeng_common.errors import IRError
 
 from .graph import Graph, Weight
+from .memory import PLAN_KEYWORDS, parse_plan_line
 from .types import parse_type
 
-_NAME = r"[A-Za-z_][\w.\-]*"
+_NAME = r"[A-Za-z_][\w.\-+]*"
 _HEADER = re.compile(rf"^graph @({_NAME})\((.*)\)\s*\{{$")
 _WEIGHT = re.compile(rf"^weight @({_NAME}) : ([a-z0-9]+\[[^\]]*\])\s*(\{{.*\}})?$")
 _NODE = re.compile(rf"^((?:%{_NAME})(?:\s*,\s*%{_NAME})*)\s*=\s*([a-z_0-9]+)\((.*?)\)\s*:\s*(.*)$")
@@ -72,6 +73,8 @@ def parse(text: str, arrays: dict[str, np.ndarray] | None = None) -> Graph:
         elif ln.startswith("return"):
             names = [n.strip().lstrip("%") for n in ln[len("return"):].split(",") if n.strip()]
             g.outputs = [_lookup(values, n, where) for n in names]
+        elif ln.split(" ", 1)[0] in PLAN_KEYWORDS:
+            g.memory = parse_plan_line(g.memory, ln, where, parse_attrs)
         else:
             _parse_node(g, ln, where, values)
     from .verify import verify

@@ -7,7 +7,12 @@
       %h = embedding(%tokens, @model.embed_tokens.weight) : f32[T,64]
       %q, %k, %v = split(%qkv) : f32[T,64], f32[T,32], f32[T,32] {sizes=[64, 32, 32]}
       return %logits
+      memory {arena_floats=1264, weights_bytes=1040128}
+      arena %h {offset=0, size=64, live=[0, 5]}
+      ...
     }
+
+The ``memory`` lines are the plan ``plan-memory`` records (``ir/memory.py``), after ``return``.
 """
 from __future__ import annotations
 
@@ -66,5 +71,7 @@ def print_graph(g: Graph, weights: bool = True, meta_note: str | None = None) ->
         lines += [f"  {format_weight(w)}" for w in g.weights.values()]
     lines += [f"  {format_node(n)}" for n in g.nodes]
     lines.append("  return " + ", ".join(f"%{v.name}" for v in g.outputs))
+    if g.memory is not None:
+        lines += [f"  {line}" for line in g.memory.text_lines()]
     lines.append("}")
     return "\n".join(lines) + "\n"

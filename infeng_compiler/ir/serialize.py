@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from .graph import Graph, Weight
+from .memory import MemoryPlan
 from .types import parse_type
 
 
@@ -18,6 +19,7 @@ def to_json(g: Graph) -> str:
                    "outputs": [{"name": v.name, "type": str(v.type)} for v in n.outputs], "attrs": n.attrs}
                   for n in g.nodes],
         "outputs": [v.name for v in g.outputs],
+        "memory": g.memory.as_dict() if g.memory is not None else None,
     }
     return json.dumps(doc, indent=1)
 
@@ -39,6 +41,8 @@ def from_json(text: str) -> Graph:
                           out_names=[o["name"] for o in n["outputs"]])
         values.update({v.name: v for v in node.outputs})
     g.outputs = [values[x] for x in doc["outputs"]]
+    if doc.get("memory") is not None:
+        g.memory = MemoryPlan.from_dict(doc["memory"])
     verify(g)
     return g
 

@@ -5,6 +5,7 @@ from infeng_common.errors import IRError
 
 from . import ops
 from .graph import Graph
+from .memory import check_plan
 
 
 def verify(g: Graph) -> None:
@@ -30,3 +31,5 @@ def verify(g: Graph) -> None:
     for v in g.outputs:
         if v.name not in defined:
             raise IRError(f"graph output %{v.name} is not defined")
+    if g.memory is not None:
+        check_plan(g, g.memory)

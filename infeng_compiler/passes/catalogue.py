@@ -9,7 +9,7 @@ Phases, in pipeline order (docs/ir.md):
 - ``storage``: how values are stored: the KV cache format, weight dtypes, quantized weights and
   the activations integer weights read;
 - ``fusion``: ops merged for the kernels (``fuse-linears``);
-- ``memory``: the memory plan (reserved: lowering still plans the arena).
+- ``memory``: the memory plan lowering reads (``plan-memory``: the arena and ``weights.bin``).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from .fuse_linears import FuseLinears
 from .kv_cache import FhtKV, KVFormat
 from .lora_slots import LoraSlots
 from .merge_lora import MergeLora
+from .plan_memory import PlanMemory
 from .quantize import Quantize
 from .raise_ops import Raise
 
@@ -52,6 +53,7 @@ PASS_TABLE: dict[str, PassInfo] = {
     "act-precision": PassInfo(ActPrecision, "storage"),
     "experts-act": PassInfo(ExpertsAct, "storage"),
     "fuse-linears": PassInfo(FuseLinears, "fusion"),
+    "plan-memory": PassInfo(PlanMemory, "memory"),
 }
 
 #: pass name -> factory taking the positional arguments of the pipeline entry.

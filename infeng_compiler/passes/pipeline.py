@@ -4,10 +4,11 @@ this one place (docs/ir.md "Phases"):
     model    merge-lora(NAME)... lora-slots(K,R[,TARGETS])
     storage  [fht-kv] kv-format(...)  cast-weights(DTYPE[,...])  [quantize(...)]  [act-precision(...)]
     fusion   fuse-linears
-    memory   (reserved: the arena is still planned by lowering)
+    memory   plan-memory
 
 The import phase (the ONNX frontend's raising passes) runs inside the import; ``--passes`` gives
-the whole compile pipeline instead, its entries falling into phases by the pass table.
+the whole compile pipeline instead, its entries falling into phases by the pass table, and ends
+with the memory phase (``plan-memory`` is added when it does not name it: lowering reads the plan).
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 #: The compile phases build_pipeline returns, in order (the import phase is the frontend's).
 COMPILE_PHASES = ("model", "storage", "fusion", "memory")
+#: The memory phase's one entry, which every compile pipeline ends with.
+MEMORY_PLAN: Entry = ("plan-memory", [])
 
 
 def build_pipeline(options: CompileOptions, adapters: dict[str, Any] | None = None,
@@ -41,12 +44,25 @@ def build_pipeline(options: CompileOptions, adapters: dict[str, Any] | None = No
         if given:
             raise InfengError(f"--passes is the whole pipeline; {', '.join(given)} would be ignored: put "
                               f"those passes in --passes instead")
-        return phases_of(parse_pipeline(options.passes))
+        return phases_of(_with_memory_plan(parse_pipeline(options.passes)))
     phases = {name: Phase(name, []) for name in COMPILE_PHASES}
     phases["model"].entries += _lora_entries(options, adapters or {})
     phases["storage"].entries += _storage_entries(options, graph)
     phases["fusion"].entries.append(("fuse-linears", []))
+    phases["memory"].entries.append(MEMORY_PLAN)
     return list(phases.values())
+
+
+def _with_memory_plan(entries: list[Entry]) -> list[Entry]:
+    """An explicit pipeline ending with the memory plan: added when missing, refused before a pass
+    that would change the graph it planned."""
+    planned = [i for i, (name, _) in enumerate(entries) if name == MEMORY_PLAN[0]]
+    if not planned:
+        return entries + [MEMORY_PLAN]
+    if planned[0] != len(entries) - 1:
+        raise InfengError(f"--passes: plan-memory plans the final graph; put it last (after "
+                          f"{entries[planned[0] + 1][0]}) or leave it out (it is added at the end)")
+    return entries
 
 
 def _lora_entries(options: CompileOptions, adapters: dict[str, Any]) -> list[Entry]:

@@ -204,7 +204,7 @@ def test_no_live_buffers_overlap_and_the_arena_is_no_larger(case: str, case_mode
 def test_infeng_ir_after_plan_memory_prints_the_plan(stories_dir) -> None:
     from typer.testing import CliRunner
 
-    from infeng_compiler.cli import app
+    from infeng_cli.main import app
 
     result = CliRunner().invoke(app, ["ir", str(stories_dir), "--quant", "int8", "--after", "plan-memory"])
     assert result.exit_code == 0, result.output

@@ -439,10 +439,10 @@ OPS: dict[str, _OpKernel] = {
         "const int32_t *block_table /* [n_slots, max_blocks] */, int max_blocks, "
         "float *k_cache /* [n_blocks, block_size, n_kv_heads, head_dim] */, "
         "float *v_cache /* [n_blocks, block_size, n_kv_heads, head_dim] */, float *out /* [T, n_heads * head_dim] */)",
-        ("scalar", "avx2", "avx512", "amx"),
+        ("scalar", "amx"),
         lambda p: [f"h{p['n_heads']}", f"kv{p['n_kv_heads']}", f"d{p['head_dim']}", f"b{p['block_size']}",
                    f"s{_sym_float(p['scale'])}", f"w{p['window']}"],
-        _check_attention, _plan_attention),
+        _check_attention, _plan_attention, vec=True),
     "attention_kvq": _OpKernel(
         ("n_heads", "n_kv_heads", "head_dim", "block_size", "scale", "window", "k_format", "v_format", "group",
          "rotate", "kv_window", "ring_rows"),

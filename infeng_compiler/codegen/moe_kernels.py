@@ -6,7 +6,7 @@
 | ``experts`` | the step's (token, expert) pairs grouped by expert; per expert with tokens, its gate_up and down matrices through the target's linear kernels | scalar (driver), vec (its row-wise phases in vectors, every SIMD target) |
 | ``head_rms_norm`` | RMS norm of each head of a row | scalar |
 | ``sigmoid_gate`` | y scaled per token by sigmoid(x . w) | scalar |
-| ``attention_sinks`` | ``attention`` with a learned logit per query head in every softmax denominator (GPT-OSS) | the attention templates: scalar, avx2, avx512, amx |
+| ``attention_sinks`` | ``attention`` with a learned logit per query head in every softmax denominator (GPT-OSS) | the attention templates: scalar, vec, amx |
 
 ``experts`` is a driver: it sorts the pairs by expert (a counting sort), gathers each expert's token
 rows, and calls the linear kernel of the expert weights' format (f32/f16/bf16 ``linear``, int8/int4
@@ -153,7 +153,7 @@ OPS["attention_sinks"] = _OpKernel(
     lambda p: [*_attention.symbol_parts(p), f"sink{_rope_digest(p['sinks'])}"],
     _all(_check_attention, lambda p: _expect(isinstance(p["sinks"], tuple) and len(p["sinks"]) == p["n_heads"],
                                              f"attention_sinks: sinks must hold n_heads = {p['n_heads']} values")),
-    _attention.plan)
+    _attention.plan, vec=_attention.vec)
 
 
 def check_expert_formats(gate_up_format: str, down_format: str, where: str) -> None:

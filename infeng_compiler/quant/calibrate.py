@@ -6,9 +6,9 @@ the AWQ scale search raises to a power) and the Gram matrix ``XᵀX`` [K, K] (fl
 the output error of any weight change ``D`` is ``tr(D XᵀX Dᵀ)`` without keeping the activations.
 
 ``collect`` runs every chunk as a whole sequence from position 0, so its attention is one causal
-float32 product over all the step's sequences (``causal_attention``) instead of the reference's
-float64 loop per sequence (70% of the time on stories260K); the Gram matrix of each step is a
-float32 product added to the float64 sum. Both differ from the reference by rounding only
+float32 product per sequence with a fixed mask and an in-place softmax (``causal_attention``)
+instead of the reference's float64 path through the KV cache (70% of the time on stories260K);
+the Gram matrix of each step is a float32 product added to the float64 sum. Both differ from the reference by rounding only
 (docs/performance.md, *Calibrated compiles*, has the quality table).
 
 ``value_means`` is the lighter statistic the KV cache passes need: the mean row of chosen values
@@ -104,10 +104,12 @@ _PLAIN_ATTENTION = {"layer", "n_heads", "n_kv_heads", "head_dim", "scale", "wind
 
 def causal_attention(ctx: int) -> Reference:
     """``attention`` for steps whose tokens are whole sequences of ``ctx`` tokens from position 0
-    (``_run_chunks``): the scores of every sequence and head are one batched float32 product, one
-    causal (and window) mask, a float32 softmax. The reference's result up to rounding (it works in
-    float64, one sequence at a time, through the KV cache, which no later step of calibration
-    reads). Attention with a KV format, ``k_mean`` or sinks goes to the reference."""
+    (``_run_chunks``): per sequence, the scores of all heads are one float32 product masked by one
+    causal (and window) mask, the softmax is float32 and in place. The reference's result up to
+    rounding (it works in float64 through the KV cache, which no later step of calibration reads).
+    Attention with a KV format, ``k_mean`` or sinks goes to the reference. The products stay one
+    sequence's size ([heads, ctx, head_dim] x [heads, head_dim, ctx]): larger batched products
+    make OpenBLAS start its threads for every one, many times slower on a busy machine."""
     reference = get_op("attention").reference
     j = np.arange(ctx)
 
@@ -116,23 +118,23 @@ def causal_attention(ctx: int) -> Reference:
             return reference(ins, ws, attrs, step)
         q, k, v, _ = ins
         h, kvh, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
-        b, per_kv = q.shape[0] // ctx, h // kvh
+        per_kv = h // kvh
         allowed = j[None, :] <= j[:, None]
         if attrs.get("window"):
             allowed &= j[None, :] > j[:, None] - attrs["window"]
         mask = np.where(allowed, np.float32(0.0), np.float32(-np.inf))               # [ctx, ctx]
-        # [b, kvh, per_kv * ctx, hd]: the query heads of a KV head stacked, one product per KV head
-        qs = (q.reshape(b, ctx, kvh, per_kv, hd) * np.float32(attrs["scale"])).transpose(0, 2, 3, 1, 4)
-        kt = np.ascontiguousarray(k.reshape(b, ctx, kvh, hd).transpose(0, 2, 3, 1))     # [b, kvh, hd, ctx]
-        vs = np.ascontiguousarray(v.reshape(b, ctx, kvh, hd).transpose(0, 2, 1, 3))     # [b, kvh, ctx, hd]
-        scores = np.ascontiguousarray(qs).reshape(b, kvh, per_kv * ctx, hd) @ kt
-        grid = scores.reshape(b, kvh, per_kv, ctx, ctx)
-        grid += mask
-        grid -= grid.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        out = (scores @ vs) / scores.sum(axis=-1, keepdims=True)                         # [b, kvh, per_kv*ctx, hd]
-        out = out.reshape(b, kvh, per_kv, ctx, hd).transpose(0, 3, 1, 2, 4)
-        return [np.ascontiguousarray(out, dtype=np.float32).reshape(b * ctx, h * hd)]
+        queries = (q * np.float32(attrs["scale"])).reshape(-1, ctx, h, hd)
+        out = np.empty((len(queries), ctx, h, hd), np.float32)
+        for s, rows in enumerate(range(0, len(q), ctx)):
+            heads = lambda x: np.repeat(x[rows:rows + ctx].reshape(ctx, kvh, hd), per_kv, axis=1)  # noqa: E731
+            scores = np.ascontiguousarray(queries[s].transpose(1, 0, 2)) @ np.ascontiguousarray(
+                heads(k).transpose(1, 2, 0))                                              # [h, ctx, ctx]
+            scores += mask
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            values = np.ascontiguousarray(heads(v).transpose(1, 0, 2))                   # [h, ctx, hd]
+            out[s] = ((scores @ values) / scores.sum(axis=-1, keepdims=True)).transpose(1, 0, 2)
+        return [out.reshape(-1, h * hd)]
 
     return attend
 

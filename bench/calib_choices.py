@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from infeng_compiler.codegen.clip_search import clip_search
 from infeng_compiler.frontends import import_model, model_source
 from infeng_compiler.passes.manager import PassContext, PassManager, parse_pipeline
 from infeng_compiler.passes.quantize import Quantize, _grams, _source_f32
@@ -25,7 +26,6 @@ from infeng_compiler.quant import calibrate
 from infeng_compiler.quant.awq import apply_awq
 from infeng_compiler.quant.formats import get_format, is_quantized
 from infeng_compiler.quant.search import quantize
-from infeng_compiler.codegen.clip_search import clip_search
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "assets" / "text" / "wikitext-2-raw-v1-test.txt"
 

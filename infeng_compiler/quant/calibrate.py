@@ -8,8 +8,9 @@ the output error of any weight change ``D`` is ``tr(D XᵀX Dᵀ)`` without keep
 ``collect`` runs every chunk as a whole sequence from position 0, so its attention is one causal
 float32 product per sequence with a fixed mask and an in-place softmax (``causal_attention``)
 instead of the reference's float64 path through the KV cache (70% of the time on stories260K);
-the Gram matrix of each step is a float32 product added to the float64 sum. Both differ from the reference by rounding only
-(docs/performance.md, *Calibrated compiles*, has the quality table).
+the Gram matrix of each step is a float32 product added to the float64 sum. Both differ from the
+reference by rounding only (docs/performance.md, *Calibration's forward in float32*, has the
+quality table).
 
 ``value_means`` is the lighter statistic the KV cache passes need: the mean row of chosen values
 (the k rows of every attention layer, for K centring).
@@ -124,16 +125,16 @@ def causal_attention(ctx: int) -> Reference:
             allowed &= j[None, :] > j[:, None] - attrs["window"]
         mask = np.where(allowed, np.float32(0.0), np.float32(-np.inf))               # [ctx, ctx]
         queries = (q * np.float32(attrs["scale"])).reshape(-1, ctx, h, hd)
-        out = np.empty((len(queries), ctx, h, hd), np.float32)
-        for s, rows in enumerate(range(0, len(q), ctx)):
-            heads = lambda x: np.repeat(x[rows:rows + ctx].reshape(ctx, kvh, hd), per_kv, axis=1)  # noqa: E731
+        keys, values = (np.repeat(x.reshape(-1, ctx, kvh, hd), per_kv, axis=2) for x in (k, v))  # [n, ctx, h, hd]
+        out = np.empty_like(queries)
+        for s in range(len(queries)):
             scores = np.ascontiguousarray(queries[s].transpose(1, 0, 2)) @ np.ascontiguousarray(
-                heads(k).transpose(1, 2, 0))                                              # [h, ctx, ctx]
+                keys[s].transpose(1, 2, 0))                                               # [h, ctx, ctx]
             scores += mask
             scores -= scores.max(axis=-1, keepdims=True)
             np.exp(scores, out=scores)
-            values = np.ascontiguousarray(heads(v).transpose(1, 0, 2))                   # [h, ctx, hd]
-            out[s] = ((scores @ values) / scores.sum(axis=-1, keepdims=True)).transpose(1, 0, 2)
+            rows = scores @ np.ascontiguousarray(values[s].transpose(1, 0, 2))           # [h, ctx, hd]
+            out[s] = (rows / scores.sum(axis=-1, keepdims=True)).transpose(1, 0, 2)
         return [out.reshape(-1, h * hd)]
 
     return attend

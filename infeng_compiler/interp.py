@@ -20,6 +20,7 @@ import numpy as np
 from infeng_common.errors import InfengError
 
 from .ir import Graph, Node, Weight
+from .ir.ops import Reference
 from .ir.ops import get as get_op
 
 #: ``observer(node, inputs, weights, outputs)``: called after each node runs, with the arrays it read
@@ -81,11 +82,16 @@ def weight_value(w: Weight) -> np.ndarray:
 
 
 class Interpreter:
-    """Runs a Graph with numpy. Each weight is read once (``weight_value``) and kept."""
+    """Runs a Graph with numpy. Each weight is read once (``weight_value``) and kept.
 
-    def __init__(self, graph: Graph, observer: NodeObserver | None = None):
+    ``references``: op name -> a reference used instead of the registry's for that op (calibration
+    runs attention in float32 over whole sequences, ``quant/calibrate.py``)."""
+
+    def __init__(self, graph: Graph, observer: NodeObserver | None = None,
+                 references: dict[str, Reference] | None = None):
         self.graph = graph
         self.observer = observer
+        self.references = references or {}
         self.kv = KVStore()
         self._weights: dict[str, tuple[Weight, np.ndarray]] = {}
         self.lora: dict[int, dict] = {}          # adapter slot -> {base weight name: LoraModule}
@@ -111,7 +117,8 @@ class Interpreter:
         for node in self.graph.nodes if nodes is None else nodes:
             ins = [env[v.name] for v in node.inputs]
             ws = [self.weight(w) for w in node.weights]
-            outs = get_op(node.op).reference(ins, ws, node.attrs, step)
+            reference = self.references.get(node.op) or get_op(node.op).reference
+            outs = reference(ins, ws, node.attrs, step)
             for value, array in zip(node.outputs, outs):
                 env[value.name] = array
             if self.observer is not None:

@@ -18,7 +18,7 @@ from infeng_compiler.ir import parse, print_graph
 from infeng_compiler.passes.manager import PassContext, PassManager, parse_pipeline
 from infeng_compiler.passes.quantize import Quantize
 from infeng_compiler.quant.awq import apply_awq
-from infeng_compiler.quant.calibrate import collect
+from infeng_compiler.quant.calibrate import MATMUL_OPS, collect
 from infeng_compiler.quant.formats import get_format
 
 TOKENS = np.array([1, 17, 3, 99, 42, 7, 250, 5, 61, 2, 33, 8], np.int32)
@@ -174,6 +174,40 @@ def test_awq_folding_is_exact(hf_checkpoint) -> None:
         if name == "llama":
             assert {"input_layernorm", "post_attention_layernorm", "up_proj", "v_proj"} <= kinds, kinds
         assert rel_change(before, logits(g)) < 2e-5, name
+
+
+def reference_stats(graph, chunks: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(mean |x|, XᵀX) of every matmul input, each chunk a sequence through ``Interpreter.step``
+    (the registry's references, float64 sums)."""
+    watched = {n.inputs[0].name for n in graph.nodes if n.op in MATMUL_OPS}
+    rows: dict[str, list[np.ndarray]] = {}
+
+    def observe(node, ins, ws, outs) -> None:
+        for value, array in zip(node.outputs, outs):
+            if value.name in watched:
+                rows.setdefault(value.name, []).append(np.asarray(array, np.float64).reshape(-1, array.shape[-1]))
+
+    it = Interpreter(graph, observe)
+    for seq, chunk in enumerate(chunks):
+        it.step(chunk, np.arange(len(chunk), dtype=np.int32), np.full(len(chunk), seq, np.int32))
+    return {name: (np.abs(np.concatenate(x)).mean(axis=0), np.concatenate(x).T @ np.concatenate(x))
+            for name, x in rows.items()}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+def test_calibration_statistics_match_the_reference(hf_checkpoint, family: str) -> None:
+    """``collect``'s float32 batched causal attention (GQA; mistral's sliding window; gpt2's
+    layer norms and biases) and float32 Gram products give the reference interpreter's statistics
+    up to float32 rounding."""
+    g = import_hf(hf_checkpoint(family))
+    chunks = np.random.default_rng(2).integers(0, 256, size=(5, 24)).astype(np.int32)
+    stats = collect(g, chunks, batch=2)
+    expected = reference_stats(g, chunks)
+    assert stats.keys() == expected.keys() and len(stats) > 3
+    for name, (abs_mean, gram) in expected.items():
+        assert stats[name].tokens == chunks.size
+        assert np.abs(stats[name].abs_mean - abs_mean).max() <= 1e-5 * np.abs(abs_mean).max(), name
+        assert np.abs(stats[name].gram - gram).max() <= 1e-5 * np.abs(gram).max(), name
 
 
 def test_calibration_folds_awq_and_reports(stories_dir, assets, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@
 | ``linear_q4`` | int4 weights (q4gG, q4gGa) x int8 activations (``vpdpbusd``, ``tdpbsud``) | scalar ... amx |
 | ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``, ``tdpbssd``) | scalar ... amx |
 | ``linear_qf32`` | int4 and int8 weights x f32 activations (weight codes widened in registers, FMA) | scalar, avx2, avx512 |
-| ``linear_f8`` | fp8 e4m3 weights x f32 activations (widened through f16 in registers) | scalar, avx2, avx512 |
+| ``linear_f8`` | fp8 e4m3 weights x f32 activations (widened through f16 in registers) | scalar, vec |
 | ``embedding_q`` | rows of a quantized table, dequantized | scalar |
 | ``linear_mxfp4`` | MXFP4 weights (GPT-OSS's bytes) x f32 or int8 activations (``act``), e2m1 by ``vpshufb`` | scalar, avx2, avx512 |
 
@@ -105,6 +105,18 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
     return plan
 
 
+#: Micro-tiles of the fp8 linear over the vocabulary (TT, RB, RB_MULTI), by vocabulary: AVX2's 16 ymm
+#: registers hold TT x PHASES partial sums of two ymm each, the widened weights and a broadcast.
+_F8_TILES = {"scalar": (1, 1, 1), "avx2": (2, 1, 1), "avx512": (4, 4, 2)}
+
+
+def _f8_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
+    plan = _weight_plan(p, isa)
+    tt, rb, rb_multi = _F8_TILES[isa]
+    rb = _item_blocks(plan["n_blocks"], rb)
+    return {**plan, "tt": tt, "rb": rb, "rb_multi": min(rb_multi, rb)}
+
+
 def _item_blocks(n_blocks: int, most: int) -> int:
     """Blocks per work item: the most (up to ``most``) that still give at least 8 items, an even
     number when possible, so that 2 threads get equal shares of a small matrix (k/v projections)."""
@@ -177,9 +189,9 @@ OPS.update({
         _all(_positive("K", "N"), _check_format(_INT4 + _INT8)), _qf32_plan),
     "linear_f8": _OpKernel(
         ("K", "N", "wformat"), (_LINEAR_PROTO % "K").replace("const void *x", "const float *x"),
-        ("scalar", "avx2", "avx512"),
+        ("scalar",),
         lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
-        _all(_positive("K", "N"), _check_format(("f8e4m3",))), _weight_plan),
+        _all(_positive("K", "N"), _check_format(("f8e4m3",))), _f8_plan, vec=True),
     "embedding_q": _OpKernel(
         ("V", "H", "wformat"),
         "void {sym}(const int32_t *ids /* [T] */, int T, const uint8_t *table /* packed [V/16 blocks] */, "

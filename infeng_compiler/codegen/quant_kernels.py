@@ -6,10 +6,10 @@
 | ``dequantize_act`` | those rows -> the f32 values they stand for (LoRA deltas read them) | scalar |
 | ``linear_q4`` | int4 weights (q4gG, q4gGa) x int8 activations (``vpdpbusd``, ``tdpbsud``) | scalar ... amx |
 | ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``, ``tdpbssd``) | scalar ... amx |
-| ``linear_qf32`` | int4 and int8 weights x f32 activations (weight codes widened in registers, FMA) | scalar, avx2, avx512 |
+| ``linear_qf32`` | int4 and int8 weights x f32 activations (weight codes widened in registers, FMA) | scalar, vec |
 | ``linear_f8`` | fp8 e4m3 weights x f32 activations (widened through f16 in registers) | scalar, vec |
 | ``embedding_q`` | rows of a quantized table, dequantized | scalar |
-| ``linear_mxfp4`` | MXFP4 weights (GPT-OSS's bytes) x f32 or int8 activations (``act``), e2m1 by ``vpshufb`` | scalar, avx2, avx512 |
+| ``linear_mxfp4`` | MXFP4 weights (GPT-OSS's bytes) x f32 or int8 activations (``act``), e2m1 by ``vpshufb`` | scalar, vec |
 
 The avx512 templates use VNNI when the target has it (``avx512-vnni`` and above: ``__AVX512VNNI__``)
 and the AVX-512BW multiply-add pairs otherwise; the avx2 templates use AVX-VNNI under
@@ -107,7 +107,7 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
 
 #: Micro-tiles of the fp8 linear over the vocabulary (TT, RB, RB_MULTI), by vocabulary: AVX2's 16 ymm
 #: registers hold TT x PHASES partial sums of two ymm each, the widened weights and a broadcast.
-_F8_TILES = {"scalar": (1, 1, 1), "avx2": (2, 1, 1), "avx512": (4, 4, 2)}
+_F8_TILES = {"scalar": (1, 1, 1), "avx2": (3, 1, 1), "avx512": (4, 4, 2)}
 
 
 def _f8_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
@@ -133,9 +133,10 @@ def _item_blocks(n_blocks: int, most: int) -> int:
 
 #: Independent partial sums per output of the f32-activation kernels (linear_qf32), the same for every
 #: number of token rows, so that a row's result does not depend on the step's rows: 4 keep the FMA
-#: dependency chains of a decode step (one token row) short; token rows go in tiles of QF32_TT.
+#: dependency chains of a decode step (one token row) short; token rows go in tiles of QF32_TT. By
+#: vocabulary: AVX2's 16 ymm registers hold TT x CHAINS partial sums of two ymm each and TT sums.
 QF32_CHAINS = {"scalar": 1, "avx2": 2, "avx512": 4}
-QF32_TT = {"scalar": 1, "avx2": 4, "avx512": 4}
+QF32_TT = {"scalar": 1, "avx2": 2, "avx512": 4}
 
 
 def _qf32_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
@@ -184,9 +185,9 @@ OPS.update({
         _all(_positive("K", "N"), _check_format(_INT8)), _weight_plan),
     "linear_qf32": _OpKernel(
         ("K", "N", "wformat"), _LINEAR_PROTO % "K f32",
-        ("scalar", "avx2", "avx512"),
+        ("scalar",),
         lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
-        _all(_positive("K", "N"), _check_format(_INT4 + _INT8)), _qf32_plan),
+        _all(_positive("K", "N"), _check_format(_INT4 + _INT8)), _qf32_plan, vec=True),
     "linear_f8": _OpKernel(
         ("K", "N", "wformat"), (_LINEAR_PROTO % "K").replace("const void *x", "const float *x"),
         ("scalar",),
@@ -242,8 +243,8 @@ OPS["linear_mxfp4"] = _OpKernel(
     "void {sym}(ife_pool *pool, const void *x /* [T, K] f32, or int8 activation rows (act q8) */, int T, "
     "const uint8_t *w /* blocks [N, K/32, 16], then e8m0 scales [N, K/32] */, const float *bias /* [N] or NULL */, "
     "float *y /* [T, N] */)",
-    ("scalar", "avx2", "avx512"),
-    lambda p: [f"k{p['K']}", f"n{p['N']}", p["act"]], _check_mxfp4, _mxfp4_plan)
+    ("scalar",),
+    lambda p: [f"k{p['K']}", f"n{p['N']}", p["act"]], _check_mxfp4, _mxfp4_plan, vec=True)
 
 
 def mxfp4_rows_prototype(spec: KernelSpec) -> str:

@@ -2,7 +2,8 @@
 
 ``--wdtypes`` takes float weight dtypes (f16, f32, bf16) and quantized formats (q4g32, q8r, ...:
 the ``linear_q4``/``linear_q8``/``linear_f8`` kernels over packed weights of random bytes, which
-time like real ones, and activation rows quantized as the kernel reads them).
+time like real ones, and activation rows quantized as the kernel reads them; ``q4g32/f32``: the
+integer format's f32-activation kernel, ``linear_qf32``).
 
 Prints one JSON line per result. First the machine's read bandwidth, measured here with a plain
 vector-sum over 512 MiB using the same thread pool, and the pool's cost per ``ife_parallel_for``;
@@ -193,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                     flat = data["f32" if wd == "f32" else "u16"]
                     ctype = "float *" if wd == "f32" else "uint16_t *"
                     per_copy = N * K * flat.itemsize
-                    if is_quantized(wd):
-                        flat, ctype, per_copy = data["u16"].view(np.uint8), "uint8_t *", get_format(wd).nbytes((N, K))
+                    if is_quantized(wd.partition("/")[0]):
+                        flat, ctype = data["u16"].view(np.uint8), "uint8_t *"
+                        per_copy = get_format(wd.partition("/")[0]).nbytes((N, K))
                     for T in token_counts:
                         if (K, N) not in (PREFILL_SHAPES if T == 512 else DECODE_SHAPES):
                             continue
@@ -247,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def linear_spec(isa: str, K: int, N: int, wdtype: str) -> KernelSpec:
-    """The linear kernel of a float weight dtype or a quantized weight format."""
+    """The linear kernel of a float weight dtype or a quantized weight format (``<format>/f32``: the
+    f32-activation kernel of an integer format)."""
+    if wdtype.endswith("/f32"):
+        return KernelSpec.make("linear_qf32", isa, K=K, N=N, wformat=wdtype.removesuffix("/f32"))
     if is_quantized(wdtype):
         return KernelSpec.make(linear_op(wdtype), isa, K=K, N=N, wformat=wdtype)
     return KernelSpec.make("linear", isa, K=K, N=N, wdtype=wdtype)

@@ -4,17 +4,17 @@
 | --- | --- | --- |
 | ``quantize_act`` | f32 rows -> int8 blocks of 32 (scales, sums) or int16 rows (one scale) | scalar, vec (every SIMD target) |
 | ``dequantize_act`` | those rows -> the f32 values they stand for (LoRA deltas read them) | scalar |
-| ``linear_q4`` | int4 weights (q4gG, q4gGa) x int8 activations (``vpdpbusd``, ``tdpbsud``) | scalar ... amx |
-| ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``, ``tdpbssd``) | scalar ... amx |
-| ``linear_qf32`` | int4 and int8 weights x f32 activations (weight codes widened in registers, FMA) | scalar, avx2, avx512 |
-| ``linear_f8`` | fp8 e4m3 weights x f32 activations (widened through f16 in registers) | scalar, avx2, avx512 |
+| ``linear_q4`` | int4 weights (q4gG, q4gGa) x int8 activations (``vpdpbusd``, ``tdpbsud``) | scalar, vec, amx |
+| ``linear_q8`` | int8 weights (q8r, q8gG) x int16 activations (``vpdpwssd``, ``tdpbssd``) | scalar, vec, amx |
+| ``linear_qf32`` | int4 and int8 weights x f32 activations (weight codes widened in registers, FMA) | scalar, vec |
+| ``linear_f8`` | fp8 e4m3 weights x f32 activations (widened through f16 in registers) | scalar, vec |
 | ``embedding_q`` | rows of a quantized table, dequantized | scalar |
-| ``linear_mxfp4`` | MXFP4 weights (GPT-OSS's bytes) x f32 or int8 activations (``act``), e2m1 by ``vpshufb`` | scalar, avx2, avx512 |
+| ``linear_mxfp4`` | MXFP4 weights (GPT-OSS's bytes) x f32 or int8 activations (``act``), e2m1 by ``vpshufb`` | scalar, vec |
 
-The avx512 templates use VNNI when the target has it (``avx512-vnni`` and above: ``__AVX512VNNI__``)
-and the AVX-512BW multiply-add pairs otherwise; the avx2 templates use AVX-VNNI under
-``__AVXVNNI__`` (target ``avx2-vnni``) and AVX2 multiply-add pairs otherwise. The amx templates run
-the avx512 code below ``AMX_MIN_T_*`` token rows and AMX tiles from there on (docs/codegen.md). Weight and
+``vec``: written once over the ISA vocabulary (``templates/kernels/isa/*.h.j2``), whose integer dot
+steps are VNNI where the target has it (``avx512-vnni`` and above; AVX-VNNI on ``avx2-vnni``) and
+the multiply-add pairs otherwise. The amx templates run the vec code (AVX-512 vocabulary) below
+``AMX_MIN_T_*`` token rows and AMX tiles from there on (docs/codegen.md). Weight and
 activation byte layouts: ``quant/formats.py`` and ``quant/act.py`` (docs/quantization.md).
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ from ..quant.act import ACT_FORMS, act_row_layout
 from ..quant.formats import ROWS_PER_BLOCK, get_format, is_quantized
 from .kernels import OPS, KernelSpec, _all, _expect, _OpKernel, _positive
 
-#: Micro-tiles of the integer and fp8 linear kernels: (TT token rows, RB blocks of 16 weight rows
-#: per work item and per single-token tile, RB_MULTI blocks per tile of several token rows). The
-#: accumulators, the unpacked weights and the broadcasts fit the 32 AVX-512 registers; AVX2 splits
-#: a block of 16 rows into two 8-lane halves (RB = 1).
-_TILES = {"scalar": (1, 1, 1), "avx2": (4, 1, 1), "avx512": (4, 4, 2), "amx": (4, 4, 2)}
+#: Micro-tiles of the integer linear kernels, by vocabulary: (TT token rows, RB blocks of 16 weight
+#: rows per work item and per single-token tile, RB_MULTI blocks per tile of several token rows).
+#: The accumulators, the unpacked weights and the broadcasts fit the 32 AVX-512 registers; on AVX2
+#: each 16-lane vector takes two of the 16 ymm registers.
+_TILES = {"scalar": (1, 1, 1), "avx2": (3, 1, 1), "avx512": (4, 4, 2), "amx": (4, 4, 2)}
 #: Software prefetch distance along a block of weight codes (0: none), bytes.
 PREFETCH_BYTES = 0
 #: Software prefetch distance of the int4 decode path (AVX-512), bytes: measured best of 256-2048
@@ -47,6 +47,8 @@ GEMV_PREFETCH_BYTES_INT8 = 2048
 #: (Zen 5, 2 threads, `python bench/kernels.py --wdtypes q4g32,q4g32m,q8r --tokens 8,9,12,16
 #: --threads 2 --rounds 5`). From 16 rows the AMX int4 kernel takes its tiles (AMX_MIN_T_Q4).
 STREAM_T = 16
+#: Token rows per pass over a streamed block: their sums stay in registers (two ymm per vector on AVX2).
+STREAM_TILE = {"scalar": 1, "avx2": 4, "avx512": 8, "amx": 8}
 #: Independent partial sums per output along K in the fp8 kernels, the same for every number of
 #: token rows in a tile, so that a row's result does not depend on how many rows the step has.
 F8_PHASES = 2
@@ -88,7 +90,7 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
             "zeros_offset": codes + ROWS_PER_BLOCK * ng * fmt.scale_dtype.itemsize,
             "n_blocks": -(-N // ROWS_PER_BLOCK), "tt": tt, "rb": rb, "rb_multi": rb_multi, "prefetch": PREFETCH_BYTES,
             "gemv_prefetch": GEMV_PREFETCH_BYTES_INT8 if fmt.kind == "int" and fmt.bits == 8 else GEMV_PREFETCH_BYTES,
-            "stream_t": STREAM_T, "f8_phases": F8_PHASES, "seg_groups": fmt.segment_groups, "seg_bytes": fmt.segment_bytes(fmt.segment_groups),
+            "stream_t": STREAM_T, "stream_tile": STREAM_TILE[isa], "f8_phases": F8_PHASES, "seg_groups": fmt.segment_groups, "seg_bytes": fmt.segment_bytes(fmt.segment_groups),
             "group_code_bytes": fmt.group_code_bytes}
     if fmt.kind == "int":
         bits = 8 if fmt.bits == 4 else 16
@@ -103,6 +105,18 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
             amx_k = min(plan["chunk"], 64)
             plan.update(amx_k=amx_k, amx_kp=-(-kp // amx_k) * amx_k)
     return plan
+
+
+#: Micro-tiles of the fp8 linear over the vocabulary (TT, RB, RB_MULTI), by vocabulary. AVX2: 4 token
+#: rows x PHASES partial sums take all 16 ymm (some spill) and still ran T = 4 and 512 faster than 2 or 3.
+_F8_TILES = {"scalar": (1, 1, 1), "avx2": (4, 1, 1), "avx512": (4, 4, 2)}
+
+
+def _f8_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
+    plan = _weight_plan(p, isa)
+    tt, rb, rb_multi = _F8_TILES[isa]
+    rb = _item_blocks(plan["n_blocks"], rb)
+    return {**plan, "tt": tt, "rb": rb, "rb_multi": min(rb_multi, rb)}
 
 
 def _item_blocks(n_blocks: int, most: int) -> int:
@@ -121,9 +135,10 @@ def _item_blocks(n_blocks: int, most: int) -> int:
 
 #: Independent partial sums per output of the f32-activation kernels (linear_qf32), the same for every
 #: number of token rows, so that a row's result does not depend on the step's rows: 4 keep the FMA
-#: dependency chains of a decode step (one token row) short; token rows go in tiles of QF32_TT.
+#: dependency chains of a decode step (one token row) short; token rows go in tiles of QF32_TT. By
+#: vocabulary: AVX2's 16 ymm registers hold TT x CHAINS partial sums of two ymm each and TT sums.
 QF32_CHAINS = {"scalar": 1, "avx2": 2, "avx512": 4}
-QF32_TT = {"scalar": 1, "avx2": 4, "avx512": 4}
+QF32_TT = {"scalar": 1, "avx2": 2, "avx512": 4}
 
 
 def _qf32_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
@@ -163,23 +178,23 @@ OPS.update({
         scalar_reason="a convert-and-scale loop per value, which -O3 vectorises under the target's flags "
                       "(only the LoRA input over a quantized base)"),
     "linear_q4": _OpKernel(
-        ("K", "N", "wformat"), _LINEAR_PROTO % "int8 activation rows", ("scalar", "avx2", "avx512", "amx"),
+        ("K", "N", "wformat"), _LINEAR_PROTO % "int8 activation rows", ("scalar", "amx"),
         lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
-        _all(_positive("K", "N"), _check_format(_INT4)), _weight_plan),
+        _all(_positive("K", "N"), _check_format(_INT4)), _weight_plan, vec=True),
     "linear_q8": _OpKernel(
-        ("K", "N", "wformat"), _LINEAR_PROTO % "int16 activation rows", ("scalar", "avx2", "avx512", "amx"),
+        ("K", "N", "wformat"), _LINEAR_PROTO % "int16 activation rows", ("scalar", "amx"),
         lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
-        _all(_positive("K", "N"), _check_format(_INT8)), _weight_plan),
+        _all(_positive("K", "N"), _check_format(_INT8)), _weight_plan, vec=True),
     "linear_qf32": _OpKernel(
         ("K", "N", "wformat"), _LINEAR_PROTO % "K f32",
-        ("scalar", "avx2", "avx512"),
+        ("scalar",),
         lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
-        _all(_positive("K", "N"), _check_format(_INT4 + _INT8)), _qf32_plan),
+        _all(_positive("K", "N"), _check_format(_INT4 + _INT8)), _qf32_plan, vec=True),
     "linear_f8": _OpKernel(
         ("K", "N", "wformat"), (_LINEAR_PROTO % "K").replace("const void *x", "const float *x"),
-        ("scalar", "avx2", "avx512"),
+        ("scalar",),
         lambda p: [p["wformat"], f"k{p['K']}", f"n{p['N']}"],
-        _all(_positive("K", "N"), _check_format(("f8e4m3",))), _weight_plan),
+        _all(_positive("K", "N"), _check_format(("f8e4m3",))), _f8_plan, vec=True),
     "embedding_q": _OpKernel(
         ("V", "H", "wformat"),
         "void {sym}(const int32_t *ids /* [T] */, int T, const uint8_t *table /* packed [V/16 blocks] */, "
@@ -230,8 +245,8 @@ OPS["linear_mxfp4"] = _OpKernel(
     "void {sym}(ife_pool *pool, const void *x /* [T, K] f32, or int8 activation rows (act q8) */, int T, "
     "const uint8_t *w /* blocks [N, K/32, 16], then e8m0 scales [N, K/32] */, const float *bias /* [N] or NULL */, "
     "float *y /* [T, N] */)",
-    ("scalar", "avx2", "avx512"),
-    lambda p: [f"k{p['K']}", f"n{p['N']}", p["act"]], _check_mxfp4, _mxfp4_plan)
+    ("scalar",),
+    lambda p: [f"k{p['K']}", f"n{p['N']}", p["act"]], _check_mxfp4, _mxfp4_plan, vec=True)
 
 
 def mxfp4_rows_prototype(spec: KernelSpec) -> str:

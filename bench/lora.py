@@ -2,10 +2,13 @@
 vs llama-server (which cannot batch requests whose adapters differ), same weights, same run.
 
     python bench/lora.py --streams 8 16 --adapters 2 4 --threads 2
+    python bench/lora.py --streams 16 --adapters 4 --threads 1 --target avx2 --rounds 5 --no-peer
 
 Base: the smollm135 preset (random init, SmolLM-135M shape). Adapters: the two real
 medflashcards adapters (q,v; r=16) plus random r=16 adapters on q,k,v,o,gate,up,down. One JSON
-line per result; `ratio` lines give mixed/no-adapter and infeng/llama-server.
+line per result; `ratio` lines give mixed/no-adapter and infeng/llama-server. With ``--rounds N`` the
+infeng runs with and without adapters alternate N times on the same engine and each keeps its median
+(``tok_s_all`` lists the rounds).
 """
 from __future__ import annotations
 
@@ -133,6 +136,8 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="f16")
+    ap.add_argument("--target", default="native")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating infeng rounds without / with adapters")
     ap.add_argument("--workdir", default=str(Path.home() / ".cache" / "infeng" / "bench"))
     ap.add_argument("--no-peer", action="store_true")
     args = ap.parse_args()
@@ -148,8 +153,9 @@ def main() -> None:
         build_preset("smollm135", model)
     config = json.loads((model / "config.json").read_text())
     adapters = adapters_for(max(args.adapters), work, config)
-    artifact = work / f"smollm135-{args.dtype}-lora.infeng"
-    compile_model(model, artifact, CompileOptions(dtype=args.dtype, max_adapters=max(args.adapters), max_rank=16))
+    artifact = work / f"smollm135-{args.dtype}-{args.target}-lora.infeng"
+    compile_model(model, artifact, CompileOptions(target=args.target, dtype=args.dtype,
+                                                  max_adapters=max(args.adapters), max_rank=16))
     engine = Engine(artifact, threads=args.threads, max_seqs=max(args.streams), max_context=512)
     for name, path in adapters.items():
         t0 = time.perf_counter()
@@ -171,7 +177,8 @@ def main() -> None:
             loras.append(out)
 
     for streams in args.streams:
-        base = infeng_decode(engine, streams, [-1], args.gen_len)
+        bases = [infeng_decode(engine, streams, [-1], args.gen_len)]
+        base = bases[0]
         emit(bench="lora_decode", engine="infeng", streams=streams, adapters=0, tok_s=round(base, 1))
         peer_base = None
         if gguf:
@@ -179,9 +186,15 @@ def main() -> None:
             emit(bench="lora_decode", engine="llama-server", streams=streams, adapters=0, tok_s=round(peer_base, 1))
         for n in args.adapters:
             slots = [engine.adapter_slot(name) for name in list(adapters)[:n]]
-            mixed = infeng_decode(engine, streams, slots, args.gen_len)
-            emit(bench="lora_decode", engine="infeng", streams=streams, adapters=n, tok_s=round(mixed, 1))
-            row = {"bench": "ratio", "streams": streams, "adapters": n, "mixed_vs_base": round(mixed / base, 3)}
+            mixes = [infeng_decode(engine, streams, slots, args.gen_len)]
+            for _ in range(args.rounds - 1):            # alternate: drift hits both alike
+                bases.append(infeng_decode(engine, streams, [-1], args.gen_len))
+                mixes.append(infeng_decode(engine, streams, slots, args.gen_len))
+            base, mixed = float(np.median(bases)), float(np.median(mixes))
+            emit(bench="lora_decode", engine="infeng", streams=streams, adapters=n, tok_s=round(mixed, 1),
+                 tok_s_all=[round(x, 1) for x in mixes])
+            row = {"bench": "ratio", "streams": streams, "adapters": n, "mixed_vs_base": round(mixed / base, 3),
+                   "base_tok_s": round(base, 1), "base_tok_s_all": [round(x, 1) for x in bases]}
             if gguf:
                 peer = llama_server_decode(gguf, loras[:n], streams, args.gen_len, args.threads, mixed=True)
                 emit(bench="lora_decode", engine="llama-server", streams=streams, adapters=n, tok_s=round(peer, 1))

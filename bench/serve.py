@@ -365,8 +365,9 @@ def main() -> None:
             # alternate the servers, round after round, on the same prompts: drift hits both alike
             prompts = [rng.integers(3, vocab, size=args.prompt_len).tolist() for _ in range(n)]
             runs: dict[str, list[dict]] = {kind: [] for kind in urls}
-            for _ in range(args.rounds):
-                for kind, url in urls.items():
+            for rnd in range(args.rounds):
+                order = list(urls.items()) if rnd % 2 == 0 else list(urls.items())[::-1]   # the order flips
+                for kind, url in order:
                     runs[kind].append(run_server_level(kind, url, prompts, args.max_tokens))
             ours = median_run(runs["infeng"])
             row = {"bench": "serve", "streams": n, **common,

@@ -6,10 +6,10 @@ The arena is planned by a linear scan over the node order, in floats per token r
 results take slices first (``rope`` writes over its input in place when nothing reads that input
 afterwards), then its kernels' scratch rows (``codegen/footprint.py``) are taken and given back,
 then every value whose live range ends at the node is given back: its inputs read for the last
-time, the f32 rows under int rows read for the last time (``ir/memory.py``), a result nobody reads. A freed slice is reused by the next value
-of the same (16-float aligned) width, the most recently freed first; the arena's peak is the
-highest offset reached. Weights are placed in ``weights.bin`` in the order the nodes first read
-them, each 64-byte aligned.
+time, the f32 rows under int rows read for the last time (``ir/memory.py``), a result nobody
+reads. A freed slice is reused by the next value of the same (16-float aligned) width, the most
+recently freed first; the arena's peak is the highest offset reached. Weights are placed in
+``weights.bin`` in the order the nodes first read them, each 64-byte aligned.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from .kernels import OPS, KernelSpec, _all, _expect, _OpKernel, _positive
 #: rows per work item and per single-token tile, RB_MULTI blocks per tile of several token rows).
 #: The accumulators, the unpacked weights and the broadcasts fit the 32 AVX-512 registers; on AVX2
 #: each 16-lane vector takes two of the 16 ymm registers.
-_TILES = {"scalar": (1, 1, 1), "avx2": (3, 1, 1), "avx512": (4, 4, 2), "amx": (4, 4, 2)}
+_TILES = {"scalar": (1, 1, 1), "avx2": (2, 1, 1), "avx512": (4, 4, 2), "amx": (4, 4, 2)}
 #: Software prefetch distance along a block of weight codes (0: none), bytes.
 PREFETCH_BYTES = 0
 #: Software prefetch distance of the int4 decode path (AVX-512), bytes: measured best of 256-2048

@@ -1,6 +1,7 @@
 """``infeng compile``: import -> passes -> lower -> render -> build -> write the artifact."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import os
@@ -9,7 +10,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -93,13 +94,19 @@ def run_pipeline(model: str | Path, options: CompileOptions, after: Callable[[st
     return PassedGraph(graph, source, adapters, manager.pipeline, phases, manager, context)
 
 
+@contextlib.contextmanager
+def _artifact_lock(out_dir: Path) -> Iterator[None]:
+    """The lock two compiles to one ``-o`` take turns under (``.infeng.lock`` in its folder)."""
+    with open(out_dir.parent / ".infeng.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _swap_into_place(staging: Path, out_dir: Path) -> None:
     """Replace ``out_dir`` by ``staging`` atomically: under a lock in its folder (``.infeng.lock``:
     two compiles to one ``-o`` take turns, the last one's artifact stays), the old directory is
     renamed away first."""
-    lock_path = out_dir.parent / ".infeng.lock"
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _artifact_lock(out_dir):
         old = None
         if out_dir.is_symlink() or out_dir.is_file():
             raise InfengError(f"{out_dir}: exists and is not an artifact directory; give another -o")
@@ -182,10 +189,13 @@ def _reuse_built(built: Path, out_dir: Path, key: str) -> CompileSummary | None:
         if not copy_built(built, staging):
             shutil.rmtree(staging, ignore_errors=True)
             return None
+        manifest = read_manifest(staging)       # before the swap: a concurrent compile to ``out_dir`` may replace it
         files = written_files(staging)
         _swap_into_place(staging, out_dir)
         record_built(key, out_dir, files)
-    manifest = read_manifest(out_dir)
+    else:
+        with _artifact_lock(out_dir):
+            manifest = read_manifest(out_dir)
     kv = manifest["kv"]
     quant = QuantReport.from_dict(manifest["quant"]) if "quant" in manifest else None
     return CompileSummary(out_dir, manifest["target"], manifest["pipeline"], manifest["weights_bytes"],

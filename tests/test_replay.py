@@ -82,6 +82,26 @@ def test_concurrent_compiles_to_one_output(stories_dir, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".same.infeng.old")]
 
 
+def test_a_reused_copy_reads_its_own_manifest(stories_dir, tmp_path, monkeypatch):
+    """A reuse copies the built artifact and swaps it in; another compile to the same ``-o`` may swap
+    in its own at once (CI saw "same.infeng: no such file" from the read after the swap). The
+    summary comes from the copy, whatever ``-o`` holds by then."""
+    from infeng_compiler import compile as compile_module
+
+    options = CompileOptions(target="scalar", quant="int8")
+    compile_model(stories_dir, tmp_path / "first.infeng", options)
+    out = tmp_path / "same.infeng"
+    swap = compile_module._swap_into_place
+
+    def swap_then_lose_it(staging, out_dir):     # the window in which another compile replaces it
+        swap(staging, out_dir)
+        shutil.rmtree(out_dir)
+
+    monkeypatch.setattr(compile_module, "_swap_into_place", swap_then_lose_it)
+    summary = compile_model(stories_dir, out, options)
+    assert summary.cache_hit and summary.out_dir == out and summary.pipeline
+
+
 def test_output_onto_a_file_is_one_line(stories_dir, tmp_path):
     target = tmp_path / "a-file"
     target.write_text("x")

@@ -46,10 +46,13 @@ class GrammarLimits:
 #: llguidance's bounds (its defaults in brackets). Per mask step: at most STEP_MAX_ITEMS Earley items
 #: (~20k/ms, so ~1 ms) [50,000] and STEP_LEXER_FUEL lexer work (~14k/ms, ~7 ms) [200,000]; per row of
 #: the parse, MAX_ITEMS_IN_ROW items [2,000] (an ambiguous grammar's rows grow with the output: this
-#: ends it after a few hundred tokens instead of letting each mask cost more); at compile,
+#: ends it after a few dozen tokens instead of letting each token cost more; consuming a token holds
+#: the GIL, and for such a grammar it costs 0.13 ms on average and 0.7 ms at most at 200 items, 0.9
+#: and 5-8 ms at 500, so every other stream waits that long per token; JSON schemas of 150
+#: alternatives and nested expression grammars stay far below 200); at compile,
 #: INITIAL_LEXER_FUEL regex work [1,000,000], MAX_LEXER_STATES automaton states (1-2 kB each)
 #: [250,000] and MAX_GRAMMAR_SIZE symbols [500,000].
-PARSER_LIMITS = {"max_items_in_row": 500, "step_max_items": 20_000, "step_lexer_fuel": 100_000,
+PARSER_LIMITS = {"max_items_in_row": 200, "step_max_items": 20_000, "step_lexer_fuel": 100_000,
                  "initial_lexer_fuel": 500_000, "max_lexer_states": 50_000, "max_grammar_size": 100_000}
 
 

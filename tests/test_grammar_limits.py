@@ -466,7 +466,7 @@ def test_ambiguous_grammar_stops_at_the_parser_limit(artifact):
     finally:
         llm.close()
     errors = [o.error for o in outs if o.finish_reason == "error"]      # (the grammar allows EOS anywhere)
-    assert errors and all("parser limit" in e and "max is 500" in e for e in errors)
+    assert errors and all("parser limit" in e and "max is 200" in e for e in errors)
     assert elapsed < 30
 
 

@@ -111,6 +111,9 @@ class _OpKernel:
     variant_if: Callable[[str, dict[str, Any]], bool] = lambda isa, p: True
     # written once over the ISA vocabulary: kernels/<op>/vec.c.j2 renders it for every SIMD target
     vec: bool = False
+    # ISAs whose instructions change the vec kernel's algorithm without a template of their own: it
+    # renders with their plan (linear's vdpbf16ps on avx512-bf16), where variant_if takes them
+    vec_variants: tuple[str, ...] = ()
     # why the SIMD targets render the scalar template (an op with neither vec nor a reason fails the
     # op x target matrix test)
     scalar_reason: str | None = None
@@ -221,7 +224,7 @@ def _plan_linear(p: dict[str, Any], isa: str) -> dict[str, Any]:
     return {
         "gemv_unroll": _GEMV_UNROLL, "dot_rows": tiles.dot_rows, "dot_tokens": tiles.dot_tokens,
         "gemv_block": _round_up(rows_in_l1, tiles.dot_rows), "pf_l1_bytes": _DOT_PF_L1_BYTES,
-        "k_tail": K % k_chunk,
+        "k_tail": K % k_chunk, "bf16_dot": isa == "avx512-bf16",
         "gemm_min_t": _GEMM_MIN_T, "mr": tiles.mr, "nr": nr, "kc": kc, "nc": nc, "amx": False,
     }
 
@@ -422,10 +425,11 @@ OPS: dict[str, _OpKernel] = {
         ("K", "N", "wdtype"),
         "void {sym}(ife_pool *pool, const float *x /* [T, K] */, int T, const {W} *w /* [N, K] */, "
         "const float *bias /* [N] or NULL */, float *y /* [T, N] */)",
-        ("scalar", "avx2", "avx512", "avx512-bf16", "amx"),
+        ("scalar", "amx"),
         lambda p: [p["wdtype"], f"k{p['K']}", f"n{p['N']}"],
         _all(_positive("K", "N"), _check_wdtype), _plan_linear,
-        variant_if=lambda isa, p: p["wdtype"] in _LINEAR_WDTYPES.get(isa, WEIGHT_CTYPES)),
+        variant_if=lambda isa, p: p["wdtype"] in _LINEAR_WDTYPES.get(isa, WEIGHT_CTYPES), vec=True,
+        vec_variants=("avx512-bf16",)),
     "rope": _OpKernel(
         ("n_heads", "head_dim", "inv_freq"),
         "void {sym}(float *x /* [T, n_heads * head_dim], in place */, int T, const int32_t *pos /* [T] */)",
@@ -513,7 +517,7 @@ def template_isa(spec: KernelSpec) -> str:
     kernel = _op_kernel(spec.op)
     params = dict(spec.params)
     for isa in TARGETS[spec.isa].lineage():
-        has_template = isa in kernel.variants or (kernel.vec and isa in VOCABULARIES)
+        has_template = isa in kernel.variants or isa in kernel.vec_variants or (kernel.vec and isa in VOCABULARIES)
         if has_template and kernel.variant_if(isa, params):
             return isa
     raise AssertionError(f"{spec.op} has no scalar template")
@@ -527,6 +531,8 @@ def op_template(op: str, target: str) -> str:
     for isa in TARGETS[target].lineage():
         if isa in kernel.variants and isa != "scalar":
             return isa
+        if isa in kernel.vec_variants:
+            return f"vec ({isa})"
         if kernel.vec and isa in VOCABULARIES:
             return f"vec ({isa})"
     return "scalar"

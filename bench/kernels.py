@@ -35,7 +35,8 @@ import cffi
 import numpy as np
 
 from infeng_compiler.codegen.build import build_library
-from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources
+from infeng_compiler.codegen import quant_kernels
+from infeng_compiler.codegen.kernels import KernelSpec, cdef, library_sources, template_isa
 from infeng_compiler.codegen.quant_kernels import linear_op
 from infeng_compiler.codegen.target import get_target
 from infeng_compiler.quant.act import pack_act_rows
@@ -163,8 +164,15 @@ def main(argv: list[str] | None = None) -> int:
                          "the best pass over all weight copies: on a loaded machine a whole pass is rarely "
                          "left alone, single calls often are")
     ap.add_argument("--csv", help="also write the results to this CSV file")
+    ap.add_argument("--tile-rows", type=int, metavar="TT",
+                    help="token rows per micro-tile of the integer linears (linear_q4, linear_q8) instead of "
+                         "quant_kernels._TILES: to choose that table's value by measurement")
     args = ap.parse_args(argv)
     isa = get_target(args.isa, for_running=True).name
+    if args.tile_rows:
+        vocabulary = template_isa(KernelSpec.make("linear_q4", isa, K=64, N=16, wformat="q4g32"))
+        _, rb, rb_multi = quant_kernels._TILES[vocabulary]
+        quant_kernels._TILES[vocabulary] = (args.tile_rows, rb, rb_multi)
     wdtypes = args.wdtypes.split(",")
     wanted = {tuple(map(int, s.split("x"))) for s in args.shapes.split(",")} if args.shapes else None
     shapes = [s for s in sorted(set(DECODE_SHAPES) | set(PREFILL_SHAPES)) if wanted is None or s in wanted]
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         pools = {threads: lib.ife_pool_create(threads) for threads in map(int, args.threads.split(","))}
         try:
             for threads, pool in pools.items():
-                common = {"threads": threads, "isa": isa}
+                common = {"threads": threads, "isa": isa, **({"tile_rows": args.tile_rows} if args.tile_rows else {})}
                 probe = data["f32"]
                 cases.append(Case({"kernel": "read_probe", "shape": f"{probe.nbytes >> 20}MiB", "T": 0, **common},
                                   functools.partial(lib.ife_bench_read, pool, ptr(probe), probe.size // 16),

@@ -28,8 +28,11 @@ from .kernels import OPS, KernelSpec, _all, _expect, _OpKernel, _positive
 #: Micro-tiles of the integer linear kernels, by vocabulary: (TT token rows, RB blocks of 16 weight
 #: rows per work item and per single-token tile, RB_MULTI blocks per tile of several token rows).
 #: The accumulators, the unpacked weights and the broadcasts fit the 32 AVX-512 registers; on AVX2
-#: each 16-lane vector takes two of the 16 ymm registers.
-_TILES = {"scalar": (1, 1, 1), "avx2": (2, 1, 1), "avx512": (4, 4, 2), "amx": (4, 4, 2)}
+#: each 16-lane vector takes two of the 16 ymm registers, and 4 token rows of one block still ran
+#: fastest (some float accumulators spill, read once per 32 k): linear_q4 q4g32 576x1536 on Zen 4
+#: running avx2, 1 thread, TT = 2 / 3 / 4: 119 / 104 / 93 M instructions at T = 512 (callgrind), 765 /
+#: 682 / 646 us at T = 64; q8r 1092 / 937 / 882 us (`bench/kernels.py --tile-rows`, docs/performance.md).
+_TILES = {"scalar": (1, 1, 1), "avx2": (4, 1, 1), "avx512": (4, 4, 2), "amx": (4, 4, 2)}
 #: Software prefetch distance along a block of weight codes (0: none), bytes.
 PREFETCH_BYTES = 0
 #: Software prefetch distance of the int4 decode path (AVX-512), bytes: measured best of 256-2048

@@ -234,19 +234,22 @@ def test_unknown_format() -> None:
         get_format("q8r_a")
 
 
-@pytest.mark.parametrize("name", ["q4g32", "q4g64", "q4g128", "q8r"])
-@pytest.mark.parametrize("weighted", [False, True])
-def test_clip_search_in_c_chooses_as_numpy(name: str, weighted: bool) -> None:
+@pytest.mark.parametrize("name", ["q4g32", "q4g64", "q4g128", "q8g32", "q8r"])
+@pytest.mark.parametrize("weighted", ["none", "diagonal", "gram"])
+def test_clip_search_in_c_chooses_as_numpy(name: str, weighted: str) -> None:
     """codegen/clip_search.py picks the candidate numpy's search picks: same codes and scales, on
-    rows that are no multiple of its 16-group blocks, with zero rows, with and without calibration
-    weights (the Gram's diagonal)."""
+    rows that are no multiple of its 16-group blocks, with zero rows, without calibration, weighted
+    by the Gram's diagonal, and by a full Gram (each group's G x G block; its diagonal for the
+    per-row q8r). The errors differ from numpy's only in the order of float64 sums, so a tie
+    broken differently would show here as a differing code."""
     from infeng_compiler.codegen.clip_search import clip_search
 
     rng = np.random.default_rng(7)
     w = (rng.standard_normal((37, 200)) * 0.02).astype(np.float32)
     w[3] = 0
     w[5, :40] *= 30                                          # an outlier group
-    gram = rng.random(200) + 0.1 if weighted else None
+    x = rng.standard_normal((300, 200)) * (rng.random(200) * 3)  # correlated channels of unequal size
+    gram = {"none": None, "diagonal": rng.random(200) + 0.1, "gram": x.T @ x / 300}[weighted]
     numpy_choice = quantize(w, name, gram=gram)
     c_choice = quantize(w, name, gram=gram, symmetric_choice=clip_search)
     np.testing.assert_array_equal(c_choice.codes, numpy_choice.codes)

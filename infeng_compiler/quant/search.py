@@ -26,8 +26,9 @@ from .formats import QuantFormat, QuantizedTensor, e4m3_decode, e4m3_encode, get
 CLIP_RATIOS = tuple(float(r) for r in np.round(np.linspace(1.0, 0.5, 21), 3))
 
 #: The symmetric integer search's choice done elsewhere (``codegen/clip_search.py``, in C):
-#: (weights [N, ng, G] f32, candidate scales [C, N, ng] f32, error weights [ng, G] f64 or None,
-#: qmin, qmax) -> index [N, ng] of each group's first least-error candidate.
+#: (weights [N, ng, G] f32, candidate scales [C, N, ng] f32, error weights: None, the Gram's diagonal
+#: [ng, G] f64 or its group blocks [ng, G, G] f64, qmin, qmax) -> index [N, ng] of each group's first
+#: least-error candidate.
 SymmetricChoice = Callable[[np.ndarray, np.ndarray, "np.ndarray | None", int, int], np.ndarray]
 
 
@@ -39,7 +40,7 @@ def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
     ``search`` False: one candidate, the full range (round-to-nearest). ``gram``: ``XᵀX`` [K, K]
     of the calibration activations (or its diagonal [K]); the search then minimises output error.
     ``symmetric_choice``: picks among the candidates of a symmetric integer format (weighted by
-    nothing or by the Gram's diagonal) instead of numpy; the same arithmetic, faster.
+    nothing, the Gram's diagonal or its group blocks) instead of numpy; the same arithmetic, faster.
     """
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     w = np.asarray(w, dtype=np.float32)
@@ -55,8 +56,7 @@ def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
     weight = _error_weights(gram, K, kp, G, ng, fmt)
     ratios = ratios if search else (1.0,)
 
-    if (symmetric_choice is not None and fmt.kind == "int" and not fmt.asym and not fmt.mins
-            and (weight is None or weight.ndim == 2) and len(ratios) > 1):
+    if symmetric_choice is not None and fmt.kind == "int" and not fmt.asym and not fmt.mins and len(ratios) > 1:
         scales = np.stack(_symmetric_scales(wg, fmt, ratios))                  # [C, N, ng] storage dtype
         best = symmetric_choice(wg, scales.astype(np.float32), weight, fmt.qmin, fmt.qmax)
         best_scales = np.take_along_axis(scales, best[None], axis=0)[0]

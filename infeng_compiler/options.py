@@ -20,7 +20,7 @@ DEFAULT_MAX_TOKENS = 256
 DEFAULT_BLOCK_SIZE = 16
 #: tokens ``--quant ... --calib`` calibrates on unless ``--calib-tokens`` says otherwise (0: every token
 #: of the text): no smaller budget measured equals the whole text's quality on all three models of
-#: docs/performance.md, *Calibration token budget* (2048 loses on the smollm135 shape)
+#: docs/performance.md, *Calibration token budget* (2048 and 4096 lose on the smollm135 shape)
 DEFAULT_CALIB_TOKENS = 0
 
 

@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv", default="f32")
     ap.add_argument("--calib", type=Path)
     ap.add_argument("--calib-max-bytes", type=int)
+    ap.add_argument("--calib-tokens", type=int, help="calibration token budget (default: the compiler's; 0: all)")
     ap.add_argument("--target", default="native")
     ap.add_argument("--recompile", action="store_true", help="then compile again with the caches filled")
     ap.add_argument("--passes-detail", action="store_true", help="also one line per pass")
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         from infeng_compiler.compile import CompileOptions
 
         options = CompileOptions(target=args.target, dtype=args.dtype, quant=args.quant, kv=args.kv,
-                                 calib=args.calib, calib_max_bytes=args.calib_max_bytes)
+                                 calib=args.calib, calib_max_bytes=args.calib_max_bytes,
+                                 **({} if args.calib_tokens is None else {"calib_tokens": args.calib_tokens}))
         run("cold", args.model, Path(tmp) / "cold.infeng", options, args.passes_detail)
         if args.recompile:
             run("cached", args.model, Path(tmp) / "cached.infeng", options, args.passes_detail)

@@ -36,7 +36,8 @@ CHAT_COMPILE = OptionGroup(CompileOptions, only=("target", "dtype", "max_rank", 
                            panel="Compile (a MODEL that is not an artifact)")
 BATCH_COMPILE = OptionGroup(CompileOptions, only=("target", "dtype", "quant", "kv"),
                             panel="Compile (a MODEL that is not an artifact)")
-EVAL_QUANT = OptionGroup(CompileOptions, only=("tokenizer", "quant", "quant_policy", "calib", "calib_max_bytes"),
+EVAL_QUANT = OptionGroup(CompileOptions, only=("tokenizer", "quant", "quant_policy", "calib", "calib_max_bytes",
+                                               "calib_tokens"),
                          panel="A model directory (interpreter)")
 
 

@@ -87,7 +87,7 @@ def eval_command(model: Path = typer.Argument(..., help="artifact, model directo
     from infeng_compiler.passes.quantize import quantize_entry
 
     given = compile_options(EVAL_QUANT, values)
-    entry = quantize_entry(given.quant, given.quant_policy, given.calib, given.calib_max_bytes)
+    entry = quantize_entry(given.quant, given.quant_policy, given.calib, given.calib_max_bytes, given.calib_tokens)
     runner, tokenizer = _load_runner(model, backend, threads, given.tokenizer, entry)
     base = _load_runner(kld_base, Backend.auto, threads, given.tokenizer)[0] if kld_base else None
     ids = tokenizer.encode(read_text(ppl, max_bytes), add_bos=True)

@@ -155,6 +155,7 @@ def replay_options(artifact: str | Path) -> tuple[Path, CompileOptions]:
         if file_sha256(Path(path)) != digest:
             raise InfengError(f"{path}: changed since {artifact} was built (sha256 differs); it cannot be replayed")
     values = dict(record["options"])
+    values.setdefault("calib_tokens", 0)    # built before the budget existed: it calibrated on every chunk
     for name in ("tokenizer", "quant_policy", "calib"):
         if values.get(name) is not None:
             values[name] = Path(values[name])

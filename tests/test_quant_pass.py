@@ -15,10 +15,11 @@ from infeng_common.errors import InfengError
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter
 from infeng_compiler.ir import parse, print_graph
+from infeng_compiler.options import CompileOptions
 from infeng_compiler.passes.manager import PassContext, PassManager, parse_pipeline
 from infeng_compiler.passes.quantize import Quantize
 from infeng_compiler.quant.awq import apply_awq
-from infeng_compiler.quant.calibrate import MATMUL_OPS, collect
+from infeng_compiler.quant.calibrate import MATMUL_OPS, calibration_ids, collect, spread_chunks
 from infeng_compiler.quant.formats import get_format
 
 TOKENS = np.array([1, 17, 3, 99, 42, 7, 250, 5, 61, 2, 33, 8], np.int32)
@@ -224,6 +225,50 @@ def test_calibration_folds_awq_and_reports(stories_dir, assets, tmp_path: Path) 
     # a folded norm weight is an inline weight of the same name
     folded = [a["folded_into"] for a in report.awq if a["folded_into"].endswith("layernorm.weight")]
     assert folded and g.weights[folded[0]].array is not None
+
+
+class _ByteTokenizer:
+    """One id per byte; BOS 1."""
+
+    bos_token_id = 1
+
+    def encode(self, text: str, add_bos: bool) -> list[int]:
+        return [1] * add_bos + list(text.encode())
+
+
+def test_a_calibration_budget_keeps_whole_chunks_spread_over_the_text(tmp_path: Path) -> None:
+    """``calib_tokens``: at most that many tokens, whole chunks (at least one) from all over the
+    text in its order, the first included; 0 or None: every chunk."""
+    chunks = np.arange(40).reshape(10, 4)
+    np.testing.assert_array_equal(spread_chunks(chunks, 12)[:, 1], [1, 13, 25])          # chunks 0, 3, 6
+    np.testing.assert_array_equal(spread_chunks(chunks, 20)[:, 1], [1, 9, 17, 25, 33])   # chunks 0, 2, 4, 6, 8
+    assert spread_chunks(chunks, 3).shape == (1, 4)
+    for everything in (None, 0, 40, 1000):
+        assert spread_chunks(chunks, everything) is chunks
+    text = tmp_path / "calib.txt"
+    text.write_bytes(bytes(range(65, 91)) * 40)              # 1,040 bytes: 16 chunks of 64 (+ BOS)
+    ids = calibration_ids(_ByteTokenizer(), text, None, 64, 256)
+    every = calibration_ids(_ByteTokenizer(), text, None, 64)
+    assert ids.shape == (4, 64) and every.shape == (16, 64)
+    np.testing.assert_array_equal(ids, every[[0, 4, 8, 12]])
+
+
+def test_the_calibration_budget_reaches_the_pass_and_the_cache(stories_dir, assets, tmp_path) -> None:
+    """``--calib-tokens`` is written into the quantize entry (0 included); the pass calibrates on that
+    many tokens; another budget is another statistics entry of the search cache (its key holds the
+    chosen token ids), the same budget reads it back."""
+    calib = assets / "text" / "wikitext-2-raw-v1-test.txt"
+    entry = CompileOptions(quant="int4", calib=calib, calib_max_bytes=3000, calib_tokens=128).pipeline()
+    assert ("quantize", ["int4", f"calib={calib.resolve()}", "calib_max_bytes=3000", "calib_tokens=128"]) in entry
+    assert "calib_tokens=0" in dict(CompileOptions(quant="int4", calib=calib, calib_tokens=0).pipeline())["quantize"]
+    with pytest.raises(InfengError, match="calib_tokens must be >= 0"):
+        Quantize("int4", "calib_tokens=-1")
+    for budget, stats_entries in ((128, 1), (0, 2), (128, 2)):
+        ctx = PassContext(model_dir=stories_dir, search_cache=tmp_path)
+        run(import_hf(stories_dir), f"quantize(int4,calib={calib},calib_max_bytes=3000,calib_ctx=64,"
+                                    f"calib_tokens={budget},clip=0,awq=0)", ctx)      # calibration alone
+        assert (ctx.quant_report.calib_tokens == 128) == (budget == 128) and ctx.quant_report.calib_tokens >= 128
+        assert len(list(tmp_path.glob("stats-*.npz"))) == stats_entries
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from _serving import write_adapter
 from typer.testing import CliRunner
 
 from infeng_cli.main import app
-from infeng_compiler.compile import CompileOptions, compile_model
+from infeng_compiler.compile import CompileOptions, compile_model, replay_options
+from infeng_compiler.options import DEFAULT_CALIB_TOKENS
 
 ASSETS_TEXT = "text/wikitext-2-raw-v1-test.txt"
 
@@ -48,8 +49,22 @@ def test_replay_is_byte_identical(stories_dir, calib, tmp_path, case):
     assert [p["name"] for p in record["phases"]] == ["model", "storage", "fusion", "memory"]
     pipeline = json.loads((first / "manifest.json").read_text())["pipeline"]
     assert ",".join(e for p in record["phases"] for e in p["passes"]) == pipeline
+    if case == "int4-calib":            # the token budget is recorded, so the replay calibrates on the same chunks
+        assert record["options"]["calib_tokens"] == DEFAULT_CALIB_TOKENS
+        assert f"calib_tokens={DEFAULT_CALIB_TOKENS}" in pipeline
     compile_cli("--replay", str(first), "-o", str(again))
     assert files_of(again) == files_of(first)
+
+
+def test_a_record_from_before_the_calibration_budget_replays_every_chunk(stories_dir, calib, tmp_path):
+    """A compile record without ``calib_tokens`` was written before the budget: it calibrated on
+    every chunk, so its replay does (``calib_tokens=0``), not on today's default budget."""
+    built = tmp_path / "built.infeng"
+    compile_cli(str(stories_dir), "-o", str(built), "--target", "scalar", "--quant", "int8")
+    manifest = json.loads((built / "manifest.json").read_text())
+    del manifest["compile"]["options"]["calib_tokens"]
+    (built / "manifest.json").write_text(json.dumps(manifest))
+    assert replay_options(built)[1].calib_tokens == 0
 
 
 def test_a_changed_input_is_refused(stories_dir, calib, tmp_path):

@@ -83,7 +83,8 @@ def _storage_entries(options: CompileOptions, graph: Graph | None) -> list[Entry
     if options.calib is not None and not weights_calibrated and not kv_calibrated:
         raise InfengError("--calib needs --quant (calibrated weight scales) or an int8/int4 --kv (K centring)")
     quantize = quantize_entry(options.quant, options.quant_policy,
-                              *((options.calib, options.calib_max_bytes) if weights_calibrated else (None, None)))
+                              *((options.calib, options.calib_max_bytes) if weights_calibrated else (None, None)),
+                              calib_tokens=options.calib_tokens)
     cast = [options.dtype or "f32"] + (["all" if options.dtype else "keep-quantized"] if imported_quantized else [])
     integer_weights = quantize is not None or (imported_quantized and not options.dtype)
     act = act_precision_entry(options.act_precision or DEFAULT_ACT_PRECISION) if integer_weights else None

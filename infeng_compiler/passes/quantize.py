@@ -5,11 +5,13 @@ its codes and scales, and quantize the activations that feed integer weights.
     quantize(int4,group=64,asym)                q4g64a
     quantize(int8) / quantize(fp8)              q8r / f8e4m3
     quantize(int4,policy=quant.json)            per-tensor overrides (quant/policy.py)
-    quantize(int4,calib=wiki.txt,calib_max_bytes=200000)   AWQ scaling + output-error clipping
+    quantize(int4,calib=wiki.txt,calib_tokens=4096)   AWQ scaling + output-error clipping
 
 Arguments: the preset (``int8``, ``int4``, ``fp8``) or ``policy=FILE`` (or both: the file refines
 the preset); ``group=32|64|128``; ``asym``; ``embed=FORMAT`` (embedding / lm_head tables);
-``calib=FILE``, ``calib_max_bytes=N``, ``calib_ctx=N`` (tokens per calibration chunk, default 256);
+``calib=FILE``, ``calib_max_bytes=N``, ``calib_ctx=N`` (tokens per calibration chunk, default 256),
+``calib_tokens=N`` (a budget: at most N tokens, whole chunks spread evenly over the text; absent or
+0: every chunk, as before the budget, so that older manifests replay to the same bytes);
 ``clip=0`` turns the clipping search off (plain round-to-nearest); ``awq=0`` keeps calibration for
 the clipping search only.
 
@@ -56,7 +58,8 @@ from .quantize_experts import quantize_experts
 
 _MATMUL_OPS = ("linear", "lora_linear", "logits")
 _FLAGS = {"asym"}
-_KEYS = {"group", "embed", "policy", "calib", "calib_max_bytes", "calib_ctx", "clip", "awq", "gptq", "asym"}
+_KEYS = {"group", "embed", "policy", "calib", "calib_max_bytes", "calib_ctx", "calib_tokens", "clip", "awq", "gptq",
+         "asym"}
 
 
 @dataclass
@@ -150,6 +153,9 @@ class Quantize:
         self.calib = opts.get("calib")
         self.calib_max_bytes = _int(opts, "calib_max_bytes")
         self.calib_ctx = _int(opts, "calib_ctx") or 256
+        self.calib_tokens = _int(opts, "calib_tokens")
+        if self.calib_tokens is not None and self.calib_tokens < 0:
+            raise InfengError(f"quantize: calib_tokens must be >= 0 (0: all), got {self.calib_tokens}")
         policy_file = opts.get("policy")
         if preset is None and policy_file is None:
             raise InfengError("quantize: give a preset (int8, int4, fp8) or policy=FILE")
@@ -177,7 +183,8 @@ class Quantize:
             if ctx.stage:
                 ctx.stage(f"{self.name}: calibration")
             chunks = calibration_ids(ctx.calibration_tokenizer(graph, self.name), self.calib, self.calib_max_bytes,
-                                     min(self.calib_ctx, int(graph.meta.get("max_position_embeddings") or self.calib_ctx)))
+                                     min(self.calib_ctx, int(graph.meta.get("max_position_embeddings") or self.calib_ctx)),
+                                     self.calib_tokens)
             calibration_cache = SearchCache(ctx.search_cache)
             key = stats_key(print_graph(graph), [_stored(w) for w in graph.weights.values()], chunks)
             stats = calibration_cache.get_or_collect(key, lambda: collect(graph, chunks, progress=ctx.progress))
@@ -326,8 +333,10 @@ def quantize_activations(graph: Graph) -> None:
 
 
 def quantize_entry(quant: str | None = None, policy: str | Path | None = None, calib: str | Path | None = None,
-                   calib_max_bytes: int | None = None) -> tuple[str, list[str]] | None:
-    """The pipeline entry for ``--quant/--quant-policy/--calib/--calib-max-bytes`` (None: none given)."""
+                   calib_max_bytes: int | None = None, calib_tokens: int | None = None) -> tuple[str, list[str]] | None:
+    """The pipeline entry for ``--quant/--quant-policy/--calib/--calib-max-bytes/--calib-tokens`` (None:
+    none given). The budget is written into the entry whenever there is calibration, so the manifest
+    records it and a replay calibrates on the same chunks."""
     if quant is None and policy is None:
         if calib is not None:
             raise InfengError("--calib needs --quant (or --quant-policy): calibration chooses quantized scales")
@@ -339,6 +348,8 @@ def quantize_entry(quant: str | None = None, policy: str | Path | None = None, c
         args.append(f"policy={Path(policy).resolve()}")
     if calib is not None:
         args += calibration_args(calib, calib_max_bytes)
+        if calib_tokens is not None:
+            args.append(f"calib_tokens={calib_tokens}")
     Quantize(*args)                      # validates the arguments and the policy file now
     return ("quantize", args)
 

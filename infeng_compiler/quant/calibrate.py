@@ -61,15 +61,28 @@ def calibration_args(calib: str | Path, calib_max_bytes: int | None) -> list[str
     return args
 
 
-def calibration_ids(tokenizer, path: str | Path, max_bytes: int | None, ctx: int) -> np.ndarray:
-    """The calibration text as [chunks, ctx] token ids, BOS first in every chunk."""
+def calibration_ids(tokenizer, path: str | Path, max_bytes: int | None, ctx: int,
+                    max_tokens: int | None = None) -> np.ndarray:
+    """The calibration text as [chunks, ctx] token ids, BOS first in every chunk; with ``max_tokens``
+    (a budget; None or 0: all), only the chunks ``spread_chunks`` keeps."""
     from ..evaluate import chunk_tokens, read_text
 
     ids = tokenizer.encode(read_text(path, max_bytes), add_bos=True)
     if len(ids) < ctx:
         raise InfengError(f"{path}: the calibration text has {len(ids)} tokens, fewer than one chunk of {ctx}; "
                           "give more text (or a larger --calib-max-bytes)")
-    return chunk_tokens(ids, ctx, tokenizer.bos_token_id)
+    return spread_chunks(chunk_tokens(ids, ctx, tokenizer.bos_token_id), max_tokens)
+
+
+def spread_chunks(chunks: np.ndarray, max_tokens: int | None) -> np.ndarray:
+    """At most ``max_tokens`` tokens of ``chunks`` [n, ctx] (None or 0: all of them): whole chunks, at
+    least one, spread evenly over the text (chunk ``i * n // keep`` for ``i < keep``, the first
+    included), in the text's order. A budget reads the whole text's variety, not its beginning."""
+    n, ctx = chunks.shape
+    keep = max(1, max_tokens // ctx) if max_tokens else n
+    if keep >= n:
+        return chunks
+    return chunks[np.arange(keep) * n // keep]
 
 
 def collect(graph: Graph, chunks: np.ndarray, batch: int = 8,

@@ -107,32 +107,32 @@ def test_an_explicit_pipeline_ends_with_the_memory_plan() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # every family and target: no overlap, no larger than before
+def quantized(fmt: str, act: str = "int8", lora: str = "") -> dict:
+    """Options whose passes quantize the weights to ``fmt`` (no clipping search) with ``act``
+    activations, after LoRA slots ``lora`` ("2,4") when given."""
+    slots = f"lora-slots({lora})," if lora else ""
+    return {"passes": f"{slots}cast-weights(f32),quantize({fmt},clip=0),act-precision({act}),fuse-linears"}
+
+
 #: case -> (model, CompileOptions fields); the model families the suite builds, with the formats
 #: that give kernels scratch rows (integer logits, LoRA deltas of int rows, routers, experts)
 CASES: dict[str, tuple[str, dict]] = {
     "stories-f32": ("stories", {}),
     "stories-int4-fht": ("stories", {"passes": "fht-kv,kv-format(int8),cast-weights(f32),quantize(int4,clip=0),"
                                                "act-precision(int8),fuse-linears"}),
-    "stories-int8-auto": ("stories", {"passes": "cast-weights(f32),quantize(int8,clip=0),act-precision(auto,16),"
-                                                "fuse-linears"}),
-    "stories-lora-int4": ("stories", {"passes": "lora-slots(2,4),cast-weights(f32),quantize(int4,clip=0),"
-                                                "act-precision(auto,16),fuse-linears"}),
+    "stories-int8-auto": ("stories", quantized("int8", act="auto,16")),
+    "stories-lora-int4": ("stories", quantized("int4", act="auto,16", lora="2,4")),
     "stories-f16": ("stories", {"dtype": "f16"}),
-    "tiny-llama-int4": ("tiny-llama", {"passes": "cast-weights(f32),quantize(int4,clip=0),act-precision(int8),"
-                                                 "fuse-linears"}),
+    "tiny-llama-int4": ("tiny-llama", quantized("int4")),
     "tiny-mistral": ("tiny-mistral", {}),
     "tiny-qwen2": ("tiny-qwen2", {}),
     "tiny-gpt2": ("tiny-gpt2", {}),
-    "tiny-gpt2-int8": ("tiny-gpt2", {"passes": "cast-weights(f32),quantize(int8,clip=0),act-precision(int8),"
-                                               "fuse-linears"}),
+    "tiny-gpt2-int8": ("tiny-gpt2", quantized("int8")),
     "gpt-oss-mxfp4-q8": ("gpt-oss", {"passes": "cast-weights(f32),experts-act(q8),fuse-linears"}),
     "gpt-oss-f32": ("gpt-oss", {}),
-    "gpt-oss-int8-lora": ("gpt-oss", {"passes": "lora-slots(2,4),cast-weights(f32),quantize(int8,clip=0),"
-                                                "act-precision(int8),fuse-linears"}),
-    "qwen2-moe-int4": ("qwen2_moe", {"passes": "cast-weights(f32),quantize(int4,clip=0),act-precision(int8),"
-                                               "fuse-linears"}),
-    "qwen2-moe-int8": ("qwen2_moe", {"passes": "cast-weights(f32),quantize(int8,clip=0),act-precision(int8),"
-                                               "fuse-linears"}),
+    "gpt-oss-int8-lora": ("gpt-oss", quantized("int8", lora="2,4")),
+    "qwen2-moe-int4": ("qwen2_moe", quantized("int4")),
+    "qwen2-moe-int8": ("qwen2_moe", quantized("int8")),
     "qwen2-moe-f32": ("qwen2_moe", {}),
 }
 #: built with transformers (torch): seconds, so left to the slow run

@@ -255,7 +255,7 @@ def test_a_calibration_budget_keeps_whole_chunks_spread_over_the_text(tmp_path: 
 
 def test_the_calibration_budget_reaches_the_pass_and_the_cache(stories_dir, assets, tmp_path) -> None:
     """``--calib-tokens`` is written into the quantize entry (0 included); the pass calibrates on that
-    many tokens; another budget is another statistics entry of the search cache (its key holds the
+    many tokens; another budget is another calibration entry of the search cache (its key holds the
     chosen token ids), the same budget reads it back."""
     calib = assets / "text" / "wikitext-2-raw-v1-test.txt"
     entry = CompileOptions(quant="int4", calib=calib, calib_max_bytes=3000, calib_tokens=128).pipeline()
@@ -268,7 +268,7 @@ def test_the_calibration_budget_reaches_the_pass_and_the_cache(stories_dir, asse
         run(import_hf(stories_dir), f"quantize(int4,calib={calib},calib_max_bytes=3000,calib_ctx=64,"
                                     f"calib_tokens={budget},clip=0,awq=0)", ctx)      # calibration alone
         assert (ctx.quant_report.calib_tokens == 128) == (budget == 128) and ctx.quant_report.calib_tokens >= 128
-        assert len(list(tmp_path.glob("stats-*.npz"))) == stats_entries
+        assert len(list(tmp_path.glob("calib-*.npz"))) == stats_entries
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,9 +316,9 @@ def test_cli_eval_quant_and_kld(stories_dir, assets, tmp_path: Path) -> None:
 
 
 def test_a_second_calibrated_quantize_reads_the_search_cache(stories_dir, assets, tmp_path) -> None:
-    """With ``PassContext.search_cache``: the calibration statistics and every tensor's search are
-    kept by content hash, and a second run of the same pass on the same model reads them back to the
-    same codes and scales, and the kept AWQ choices to the same graph."""
+    """With ``PassContext.search_cache``: the calibration (statistics reduced to group blocks, AWQ
+    choices) and every tensor's search are kept by content hash, and a second run of the same pass
+    on the same model reads them back to the same codes and scales and the same graph."""
     calib = assets / "text" / "wikitext-2-raw-v1-test.txt"
     entry = parse_pipeline(f"quantize(int4,calib={calib},calib_max_bytes=1000,calib_ctx=64)")
     graphs = []
@@ -327,9 +327,9 @@ def test_a_second_calibrated_quantize_reads_the_search_cache(stories_dir, assets
         PassManager(entry).run(graph, PassContext(model_dir=stories_dir, search_cache=tmp_path))
         graphs.append(graph)
     kept = sorted(p.name for p in tmp_path.glob("*.npz"))
-    assert sum(name.startswith("stats-") for name in kept) == sum(name.startswith("awq-") for name in kept) == 1
+    assert sum(name.startswith("calib-") for name in kept) == 1
     quantized = [n for n, w in graphs[0].weights.items() if w.quant is not None]
-    assert len(kept) == 2 + len(quantized)
+    assert len(kept) == 1 + len(quantized)
     for name in quantized:
         first, again = graphs[0].weights[name].quant, graphs[1].weights[name].quant
         np.testing.assert_array_equal(again.codes, first.codes)

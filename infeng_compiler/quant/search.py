@@ -38,7 +38,8 @@ def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
     """Quantize ``w`` [N, K] (float32) to ``fmt``.
 
     ``search`` False: one candidate, the full range (round-to-nearest). ``gram``: ``XᵀX`` [K, K]
-    of the calibration activations (or its diagonal [K]); the search then minimises output error.
+    of the calibration activations (or its diagonal [K], or its group blocks [ng, G, G] zero-padded
+    past K); the search then minimises output error.
     ``symmetric_choice``: picks among the candidates of a symmetric integer format (weighted by
     nothing, the Gram's diagonal or its group blocks) instead of numpy; the same arithmetic, faster.
     """
@@ -100,6 +101,8 @@ def _error_weights(gram: np.ndarray | None, K: int, kp: int, G: int, ng: int, fm
     if gram is None:
         return None
     gram = np.asarray(gram, dtype=np.float64)
+    if gram.ndim == 3:                                           # already the group blocks [ng, G, G]
+        return gram
     if gram.ndim == 1 or fmt.group == 0:
         diag = np.diag(gram) if gram.ndim == 2 else gram
         full = np.zeros(kp)

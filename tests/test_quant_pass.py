@@ -211,6 +211,60 @@ def test_calibration_statistics_match_the_reference(hf_checkpoint, family: str) 
         assert np.abs(stats[name].gram - gram).max() <= 1e-5 * np.abs(gram).max(), name
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_calibration_by_segments_gives_the_one_pass_statistics(hf_checkpoint, family: str) -> None:
+    """``collect`` runs the graph a segment (a layer's half) at a time over every chunk; the same
+    steps and sums as one pass through the whole graph (``_run_chunks``), so the same bits."""
+    from infeng_compiler.quant import calibrate
+
+    g = import_hf(hf_checkpoint(family))
+    chunks = np.random.default_rng(3).integers(0, 256, size=(5, 24)).astype(np.int32)
+    nodes = [n for n in g.nodes if n.op != "logits"]
+    assert len(calibrate._segments(g, nodes)) > 2 * g.meta["num_layers"]
+    sums: dict[str, list] = {}
+    watched = {n.inputs[0].name for n in g.nodes if n.op in MATMUL_OPS}
+
+    def observe(node, ins, ws, outs) -> None:
+        for value, array in zip(node.outputs, outs):
+            if value.name in watched:
+                calibrate._accumulate(sums, value.name, array)
+
+    calibrate._run_chunks(g, nodes, chunks, 2, observe, None, {"attention": calibrate.causal_attention(24)})
+    seen = []
+    stats = collect(g, chunks, batch=2, finish=lambda name, st: seen.append(name) or st)
+    assert seen == [v.name for n in g.nodes for v in n.outputs if v.name in watched]     # the graph's order
+    for name, (count, absum, gram) in sums.items():
+        assert stats[name].tokens == count
+        np.testing.assert_array_equal(stats[name].abs_mean, absum / count)
+        np.testing.assert_array_equal(stats[name].gram, gram)
+
+
+def test_reduced_statistics_search_and_scale_as_the_full_gram() -> None:
+    """What the clipping search reads of a Gram (its group blocks, zero-padded past K, or its
+    diagonal) gives the same codes and scales as the full Gram, before and after an AWQ scaling."""
+    from infeng_compiler.codegen.clip_search import clip_search
+    from infeng_compiler.quant.calibrate import ActStats
+    from infeng_compiler.quant.search import quantize
+
+    rng = np.random.default_rng(4)
+    K = 80                                                   # not a multiple of 32: a padded last block
+    x = rng.standard_normal((300, K)) * rng.uniform(0.1, 3, K)
+    full = ActStats(300, np.abs(x).mean(axis=0), x.T @ x)
+    s = rng.uniform(0.5, 2, K)
+    for scale in (None, s):
+        st = full if scale is None else full.scaled(scale)
+        reduced = full.reduced({0, 32, 64}) if scale is None else full.reduced({0, 32, 64}).scaled(scale)
+        assert reduced.gram is None
+        np.testing.assert_array_equal(reduced.abs_mean, st.abs_mean)
+        w = (0.2 * rng.standard_normal((24, K))).astype(np.float32)
+        for fmt in ("q4g32", "q4g64", "q8r"):
+            group = get_format(fmt).group
+            a = quantize(w, fmt, gram=st.gram / 300, symmetric_choice=clip_search)
+            b = quantize(w, fmt, gram=reduced.error_weights(group), symmetric_choice=clip_search)
+            np.testing.assert_array_equal(a.codes, b.codes)
+            np.testing.assert_array_equal(a.scales, b.scales)
+
+
 def test_calibration_folds_awq_and_reports(stories_dir, assets, tmp_path: Path) -> None:
     text = (assets / "text" / "wikitext-2-raw-v1-test.txt").read_bytes()[200_000:212_000]
     calib = tmp_path / "calib.txt"

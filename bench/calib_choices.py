@@ -13,8 +13,9 @@ the last are then searched with each one's Gram blocks. One JSON line.
     python bench/calib_choices.py MODEL --awq-loss [--calib-bytes 50000]
 
 ``--awq-loss`` instead compares AWQ's exponent search with its loss as computed now
-(``awq._loss``: every consumer's D stacked, one float64 product with the Gram) against the loss
-as it was (``reference_loss``: numpy's einsum per consumer), on the same ``collect`` statistics
+(``awq._loss``: round-to-nearest choosing its int4 scale base in C, every consumer's D stacked, one
+float64 product with the Gram) against the loss as it was (``reference_loss``: numpy's
+round-to-nearest and einsum per consumer), on the same ``collect`` statistics
 and the graph's weights as imported: the exponent of every site, the largest relative loss
 difference, and each one's seconds. MODEL may be ``smollm2`` (the registry's SmolLM2-135M-Instruct,
 widened to f32 like every model here).
@@ -59,8 +60,9 @@ def reference_collect(graph, chunks: np.ndarray) -> dict[str, calibrate.ActStats
     return {name: calibrate.ActStats(c, a / c, g) for name, (c, a, g) in sums.items()}
 
 
-def reference_loss(ws, fmts, s: np.ndarray, gram: np.ndarray) -> float:
-    """AWQ's loss as it was: per consumer, numpy's einsum of tr(D G Dᵀ) in float64."""
+def reference_loss(ws, fmts, s: np.ndarray, gram: np.ndarray, symmetric_choice=None) -> float:
+    """AWQ's loss as it was: per consumer, numpy's round-to-nearest and numpy's einsum of
+    tr(D G Dᵀ) in float64 (``symmetric_choice`` ignored: numpy chooses)."""
     total = 0
     for w, fmt in zip(ws, fmts):
         deq = quantize((w * s[None, :]).astype(np.float32), get_format(fmt), search=False).dequantize() / s[None, :]
@@ -79,13 +81,14 @@ def compare_awq_loss(graph, chunks: np.ndarray, formats: dict[str, str]) -> dict
         try:
             for site in sites:
                 start = time.perf_counter()
-                results[label].append(awq.search_alpha(graph, site, stats[site], formats))
+                results[label].append(awq.search_alpha(graph, site, stats[site], formats, symmetric_choice=clip_search))
                 seconds[label] += time.perf_counter() - start
         finally:
             awq._loss = kept
     rel = max(abs(a - b) / max(abs(b), 1e-300) for now, ref in zip(results["now"], results["reference"])
               for a, b in zip(now[1:], ref[1:]))
-    return dict(awq_sites=len(sites), awq_same_alpha=sum(a[0] == b[0] for a, b in zip(results["now"], results["reference"])),
+    same = sum(a[0] == b[0] for a, b in zip(results["now"], results["reference"]))
+    return dict(awq_sites=len(sites), awq_same_alpha=same,
                 folded=sum(a[0] != 0.0 for a in results["now"]), loss_max_rel_diff=rel,
                 seconds_now=round(seconds["now"], 2), seconds_reference=round(seconds["reference"], 2))
 
@@ -114,8 +117,8 @@ def main() -> None:
     chunks = calibrate.calibration_ids(tok, calib, None, 256)
     formats = {n: a.format for n, a in Quantize("int4").policy.assign(g_new).items() if is_quantized(a.format)}
     if args.awq_loss:
-        print(json.dumps(dict(model=args.model.name, tokens=int(chunks.size), **compare_awq_loss(g_new, chunks, formats))),
-              flush=True)
+        compared = compare_awq_loss(g_new, chunks, formats)
+        print(json.dumps(dict(model=args.model.name, tokens=int(chunks.size), **compared)), flush=True)
         return
     g_old = graph()
     stats = {"float32": calibrate.collect(g_new, chunks), "reference": reference_collect(g_old, chunks)}

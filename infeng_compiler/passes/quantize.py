@@ -325,7 +325,7 @@ def _calibrate(graph: Graph, chunks: np.ndarray, formats: dict[str, str], awq: b
 
     def finish(value: str, st):
         if awq and awq_site(graph, value, formats):
-            chosen[value] = search_alpha(graph, value, st, formats)
+            chosen[value] = search_alpha(graph, value, st, formats, symmetric_choice=clip_search)
         return st if full_grams else st.reduced(groups.get(value, set()))
 
     return collect(graph, chunks, progress=progress, finish=finish), chosen

@@ -26,7 +26,7 @@ import numpy as np
 from ..ir import Graph, Node, TensorType, Weight
 from .calibrate import ActStats
 from .formats import get_format
-from .search import quantize
+from .search import SymmetricChoice, quantize
 
 ALPHAS = tuple(float(a) for a in np.round(np.arange(0.0, 1.0, 0.05), 2))
 
@@ -89,13 +89,15 @@ def awq_site(graph: Graph, value: str, formats: dict[str, str]) -> bool:
 
 
 def search_alpha(graph: Graph, value: str, st: ActStats, formats: dict[str, str],
-                 alphas: tuple[float, ...] = ALPHAS) -> tuple[float, float, float]:
+                 alphas: tuple[float, ...] = ALPHAS,
+                 symmetric_choice: SymmetricChoice | None = None) -> tuple[float, float, float]:
     """(α, loss without scaling, loss with it) of ``value`` (an ``awq_site``) on its full-Gram
-    statistics ``st``, the graph's weights as they are."""
+    statistics ``st``, the graph's weights as they are. ``symmetric_choice``: round-to-nearest's
+    choice between int4's two scale bases in C (``quantize``'s), the same codes as numpy's."""
     consumers, fold = _plan(graph, value, formats)
     ws = [graph.weights[n.weights[0].name].numpy_f32() for n in consumers]
     return _search_alpha(_channel_means(st, fold), fold, ws, [formats[n.weights[0].name] for n in consumers],
-                         st.gram / max(st.tokens, 1), alphas)
+                         st.gram / max(st.tokens, 1), alphas, symmetric_choice)
 
 
 def _channel_means(st: ActStats, fold) -> np.ndarray:
@@ -111,28 +113,31 @@ def _scale(a: np.ndarray, alpha: float) -> np.ndarray:
 
 
 def _search_alpha(a: np.ndarray, fold: tuple, ws: list[np.ndarray], fmts: list[str], gram: np.ndarray,
-                  alphas: tuple[float, ...]) -> tuple[float, float, float]:
+                  alphas: tuple[float, ...], symmetric_choice: SymmetricChoice | None = None
+                  ) -> tuple[float, float, float]:
     """(α, loss without scaling, loss with it): the α of least output error (0: none helps)."""
-    base_loss = _loss(ws, fmts, np.ones(ws[0].shape[1]), gram)
+    base_loss = _loss(ws, fmts, np.ones(ws[0].shape[1]), gram, symmetric_choice)
     best = (base_loss, 0.0)
     for alpha in alphas:
         if alpha == 0.0:
             continue
         s = _scale(a, alpha)
         s_in = _expand_kv(s, fold[1]) if fold[0] == "attention" else s
-        loss = _loss(ws, fmts, s_in, gram)
+        loss = _loss(ws, fmts, s_in, gram, symmetric_choice)
         if loss < best[0]:
             best = (loss, alpha)
     return best[1], float(base_loss), float(best[0])
 
 
-def _loss(ws: list[np.ndarray], fmts: list[str], s: np.ndarray, gram: np.ndarray) -> float:
+def _loss(ws: list[np.ndarray], fmts: list[str], s: np.ndarray, gram: np.ndarray,
+          symmetric_choice: SymmetricChoice | None = None) -> float:
     """Σ over the consumers of tr(D G Dᵀ), D = Q(W·s)/s − W: every consumer's D stacked, one
     float64 product with the Gram (BLAS), then each consumer's rows summed, consumers in order."""
     ds = []
     for w, fmt in zip(ws, fmts):
         scaled = (w * s[None, :]).astype(np.float32)
-        deq = quantize(scaled, get_format(fmt), search=False).dequantize() / s[None, :]
+        quant = quantize(scaled, get_format(fmt), search=False, symmetric_choice=symmetric_choice)
+        deq = quant.dequantize() / s[None, :]
         ds.append((deq - w).astype(np.float64))
     d = ds[0] if len(ds) == 1 else np.concatenate(ds)
     del ds

@@ -57,7 +57,8 @@ def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
     weight = _error_weights(gram, K, kp, G, ng, fmt)
     ratios = ratios if search else (1.0,)
 
-    if symmetric_choice is not None and fmt.kind == "int" and not fmt.asym and not fmt.mins and len(ratios) > 1:
+    if (symmetric_choice is not None and fmt.kind == "int" and not fmt.asym and not fmt.mins
+            and len(ratios) * (2 if fmt.bits == 4 else 1) > 1):                 # int4: two bases
         scales = np.stack(_symmetric_scales(wg, fmt, ratios))                  # [C, N, ng] storage dtype
         best = symmetric_choice(wg, scales.astype(np.float32), weight, fmt.qmin, fmt.qmax)
         best_scales = np.take_along_axis(scales, best[None], axis=0)[0]

@@ -85,8 +85,8 @@ def compare_awq_loss(graph, chunks: np.ndarray, formats: dict[str, str]) -> dict
                 seconds[label] += time.perf_counter() - start
         finally:
             awq._loss = kept
-    rel = max(abs(a - b) / max(abs(b), 1e-300) for now, ref in zip(results["now"], results["reference"])
-              for a, b in zip(now[1:], ref[1:]))
+    rel = max((abs(a - b) / max(abs(b), 1e-300) for now, ref in zip(results["now"], results["reference"])
+               for a, b in zip(now[1:], ref[1:])), default=None)                   # None: no site
     same = sum(a[0] == b[0] for a, b in zip(results["now"], results["reference"]))
     return dict(awq_sites=len(sites), awq_same_alpha=same,
                 folded=sum(a[0] != 0.0 for a in results["now"]), loss_max_rel_diff=rel,

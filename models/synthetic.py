@@ -436,8 +436,9 @@ PRESETS: dict[str, Preset] = {
 
 
 def build_preset(name: str, out_dir: str | Path, *, dtype: str | None = None, seed: int = 0,
-                 progress: bool = False) -> Path:
-    """Build preset ``name`` (checkpoint and tokenizer) into ``out_dir``; ``dtype`` overrides the preset's.
+                 progress: bool = False, layers: int | None = None) -> Path:
+    """Build preset ``name`` (checkpoint and tokenizer) into ``out_dir``; ``dtype`` overrides the preset's,
+    ``layers`` its layer count (every matrix shape kept: a cheap stand-in for measuring per layer).
 
     "smollm" presets copy the real SmolLM tokenizer files from the shared assets when they are
     there, and fall back to the small built-in tokenizer otherwise.
@@ -447,6 +448,8 @@ def build_preset(name: str, out_dir: str | Path, *, dtype: str | None = None, se
     p = PRESETS[name]
     if dtype is not None:
         p = replace(p, dtype=dtype)
+    if layers is not None:
+        p = replace(p, layers=layers)
     out = build_checkpoint(out_dir, p.family, hidden=p.hidden, layers=p.layers, heads=p.heads,
                            kv_heads=p.kv_heads, intermediate=p.intermediate, vocab=p.vocab, dtype=p.dtype,
                            seed=seed, tie=p.tie, max_position=p.max_position, rope_theta=p.rope_theta,
@@ -470,9 +473,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="override the preset's weight dtype")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    build_preset(args.preset, args.out_dir, dtype=args.dtype, seed=args.seed, progress=not args.quiet)
+    build_preset(args.preset, args.out_dir, dtype=args.dtype, seed=args.seed, progress=not args.quiet,
+                 layers=args.layers)
     return 0
 
 

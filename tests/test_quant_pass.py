@@ -211,6 +211,60 @@ def test_calibration_statistics_match_the_reference(hf_checkpoint, family: str) 
         assert np.abs(stats[name].gram - gram).max() <= 1e-5 * np.abs(gram).max(), name
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_calibration_by_segments_gives_the_one_pass_statistics(hf_checkpoint, family: str) -> None:
+    """``collect`` runs the graph a segment (a layer's half) at a time over every chunk; the same
+    steps and sums as one pass through the whole graph (``_run_chunks``), so the same bits."""
+    from infeng_compiler.quant import calibrate
+
+    g = import_hf(hf_checkpoint(family))
+    chunks = np.random.default_rng(3).integers(0, 256, size=(5, 24)).astype(np.int32)
+    nodes = [n for n in g.nodes if n.op != "logits"]
+    assert len(calibrate._segments(g, nodes)) > 2 * g.meta["num_layers"]
+    sums: dict[str, list] = {}
+    watched = {n.inputs[0].name for n in g.nodes if n.op in MATMUL_OPS}
+
+    def observe(node, ins, ws, outs) -> None:
+        for value, array in zip(node.outputs, outs):
+            if value.name in watched:
+                calibrate._accumulate(sums, value.name, array)
+
+    calibrate._run_chunks(g, nodes, chunks, 2, observe, None, {"attention": calibrate.causal_attention(24)})
+    seen = []
+    stats = collect(g, chunks, batch=2, finish=lambda name, st: seen.append(name) or st)
+    assert seen == [v.name for n in g.nodes for v in n.outputs if v.name in watched]     # the graph's order
+    for name, (count, absum, gram) in sums.items():
+        assert stats[name].tokens == count
+        np.testing.assert_array_equal(stats[name].abs_mean, absum / count)
+        np.testing.assert_array_equal(stats[name].gram, gram)
+
+
+def test_reduced_statistics_search_and_scale_as_the_full_gram() -> None:
+    """What the clipping search reads of a Gram (its group blocks, zero-padded past K, or its
+    diagonal) gives the same codes and scales as the full Gram, before and after an AWQ scaling."""
+    from infeng_compiler.codegen.clip_search import clip_search
+    from infeng_compiler.quant.calibrate import ActStats
+    from infeng_compiler.quant.search import quantize
+
+    rng = np.random.default_rng(4)
+    K = 80                                                   # not a multiple of 32: a padded last block
+    x = rng.standard_normal((300, K)) * rng.uniform(0.1, 3, K)
+    full = ActStats(300, np.abs(x).mean(axis=0), x.T @ x)
+    s = rng.uniform(0.5, 2, K)
+    for scale in (None, s):
+        st = full if scale is None else full.scaled(scale)
+        reduced = full.reduced({0, 32, 64}) if scale is None else full.reduced({0, 32, 64}).scaled(scale)
+        assert reduced.gram is None
+        np.testing.assert_array_equal(reduced.abs_mean, st.abs_mean)
+        w = (0.2 * rng.standard_normal((24, K))).astype(np.float32)
+        for fmt in ("q4g32", "q4g64", "q8r"):
+            group = get_format(fmt).group
+            a = quantize(w, fmt, gram=st.gram / 300, symmetric_choice=clip_search)
+            b = quantize(w, fmt, gram=reduced.error_weights(group), symmetric_choice=clip_search)
+            np.testing.assert_array_equal(a.codes, b.codes)
+            np.testing.assert_array_equal(a.scales, b.scales)
+
+
 def test_calibration_folds_awq_and_reports(stories_dir, assets, tmp_path: Path) -> None:
     text = (assets / "text" / "wikitext-2-raw-v1-test.txt").read_bytes()[200_000:212_000]
     calib = tmp_path / "calib.txt"
@@ -255,7 +309,7 @@ def test_a_calibration_budget_keeps_whole_chunks_spread_over_the_text(tmp_path: 
 
 def test_the_calibration_budget_reaches_the_pass_and_the_cache(stories_dir, assets, tmp_path) -> None:
     """``--calib-tokens`` is written into the quantize entry (0 included); the pass calibrates on that
-    many tokens; another budget is another statistics entry of the search cache (its key holds the
+    many tokens; another budget is another calibration entry of the search cache (its key holds the
     chosen token ids), the same budget reads it back."""
     calib = assets / "text" / "wikitext-2-raw-v1-test.txt"
     entry = CompileOptions(quant="int4", calib=calib, calib_max_bytes=3000, calib_tokens=128).pipeline()
@@ -268,7 +322,7 @@ def test_the_calibration_budget_reaches_the_pass_and_the_cache(stories_dir, asse
         run(import_hf(stories_dir), f"quantize(int4,calib={calib},calib_max_bytes=3000,calib_ctx=64,"
                                     f"calib_tokens={budget},clip=0,awq=0)", ctx)      # calibration alone
         assert (ctx.quant_report.calib_tokens == 128) == (budget == 128) and ctx.quant_report.calib_tokens >= 128
-        assert len(list(tmp_path.glob("stats-*.npz"))) == stats_entries
+        assert len(list(tmp_path.glob("calib-*.npz"))) == stats_entries
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,9 +370,9 @@ def test_cli_eval_quant_and_kld(stories_dir, assets, tmp_path: Path) -> None:
 
 
 def test_a_second_calibrated_quantize_reads_the_search_cache(stories_dir, assets, tmp_path) -> None:
-    """With ``PassContext.search_cache``: the calibration statistics and every tensor's search are
-    kept by content hash, and a second run of the same pass on the same model reads them back to the
-    same codes and scales, and the kept AWQ choices to the same graph."""
+    """With ``PassContext.search_cache``: the calibration (statistics reduced to group blocks, AWQ
+    choices) and every tensor's search are kept by content hash, and a second run of the same pass
+    on the same model reads them back to the same codes and scales and the same graph."""
     calib = assets / "text" / "wikitext-2-raw-v1-test.txt"
     entry = parse_pipeline(f"quantize(int4,calib={calib},calib_max_bytes=1000,calib_ctx=64)")
     graphs = []
@@ -327,9 +381,9 @@ def test_a_second_calibrated_quantize_reads_the_search_cache(stories_dir, assets
         PassManager(entry).run(graph, PassContext(model_dir=stories_dir, search_cache=tmp_path))
         graphs.append(graph)
     kept = sorted(p.name for p in tmp_path.glob("*.npz"))
-    assert sum(name.startswith("stats-") for name in kept) == sum(name.startswith("awq-") for name in kept) == 1
+    assert sum(name.startswith("calib-") for name in kept) == 1
     quantized = [n for n, w in graphs[0].weights.items() if w.quant is not None]
-    assert len(kept) == 2 + len(quantized)
+    assert len(kept) == 1 + len(quantized)
     for name in quantized:
         first, again = graphs[0].weights[name].quant, graphs[1].weights[name].quant
         np.testing.assert_array_equal(again.codes, first.codes)

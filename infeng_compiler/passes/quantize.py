@@ -52,7 +52,7 @@ from ..quant.calibrate import calibration_args
 from ..quant.formats import get_format, is_quantized
 from ..quant.policy import GROUPS, PRESETS, QuantPolicy, check_format
 from ..quant.search import quantize
-from ..quant.search_cache import SearchCache, awq_key, search_key, stats_key
+from ..quant.search_cache import SearchCache, calibration_key, search_key, stats_key
 from .context import PassContext
 from .quantize_experts import quantize_experts
 
@@ -176,27 +176,24 @@ class Quantize:
             return False
         stats = None
         awq_done = []
+        quantized = {n: a.format for n, a in assignment.items() if is_quantized(a.format)}
         if self.calib:
             from ..quant.awq import apply_awq
-            from ..quant.calibrate import calibration_ids, collect
+            from ..quant.calibrate import calibration_ids
 
             if ctx.stage:
                 ctx.stage(f"{self.name}: calibration")
             chunks = calibration_ids(ctx.calibration_tokenizer(graph, self.name), self.calib, self.calib_max_bytes,
                                      min(self.calib_ctx, int(graph.meta.get("max_position_embeddings") or self.calib_ctx)),
                                      self.calib_tokens)
-            calibration_cache = SearchCache(ctx.search_cache)
-            key = stats_key(print_graph(graph), [_stored(w) for w in graph.weights.values()], chunks)
-            stats = calibration_cache.get_or_collect(key, lambda: collect(graph, chunks, progress=ctx.progress))
+            key = calibration_key(stats_key(print_graph(graph), [_stored(w) for w in graph.weights.values()], chunks),
+                                  quantized, self.awq, self.gptq)
+            stats, chosen = SearchCache(ctx.search_cache).get_or_calibrate(
+                key, lambda: _calibrate(graph, chunks, quantized, self.awq, self.gptq, ctx.progress))
             if self.awq:
-                quantized = {n: a.format for n, a in assignment.items() if is_quantized(a.format)}
-                chosen = calibration_cache.awq_choices(awq_key(key, quantized))
-                searched = not chosen
                 awq_done = apply_awq(graph, stats, quantized, chosen=chosen)
-                if searched:
-                    calibration_cache.keep_awq_choices(awq_key(key, quantized), chosen)
             ctx.calib_tokens = int(chunks.size)
-        grams = _grams(graph, stats) if stats else {}
+        grams = _grams(graph, stats, quantized) if stats else {}
 
         cache = SearchCache(ctx.search_cache if self.clip or self.gptq else None)
 
@@ -285,20 +282,53 @@ def _source_f32(w) -> np.ndarray:
     return bf16_to_f32(raw) if w.type.dtype == "bf16" else raw.astype(np.float32)
 
 
-def _grams(graph: Graph, stats) -> dict[str, np.ndarray]:
-    """Per weight: XᵀX / tokens of its input when every use of the weight reads the same value."""
-    inputs: dict[str, set[str]] = {}
+def _weight_inputs(graph: Graph) -> dict[str, str]:
+    """Per weight: the value every use of it multiplies, when all its uses are matmuls of one value."""
+    inputs: dict[str, set[str | None]] = {}
     for n in graph.nodes:
         for i, w in enumerate(n.weights):
             key = n.inputs[0].name if (i == 0 and n.op in _MATMUL_OPS) else None
             inputs.setdefault(w.name, set()).add(key)
+    return {name: next(iter(values)) for name, values in inputs.items() if len(values) == 1 and None not in values}
+
+
+def _grams(graph: Graph, stats, formats: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Per weight: XᵀX / tokens of its input when every use of the weight reads the same value
+    (statistics reduced to group blocks: the blocks of the weight's format in ``formats``)."""
     out = {}
-    for name, values in inputs.items():
-        if len(values) == 1 and None not in values:
-            st = stats.get(next(iter(values)))
-            if st is not None:
-                out[name] = st.gram / max(st.tokens, 1)
+    for name, value in _weight_inputs(graph).items():
+        st = stats.get(value)
+        if st is None:
+            continue
+        if st.gram is not None:
+            out[name] = st.gram / max(st.tokens, 1)
+        elif formats is not None and name in formats:
+            out[name] = st.error_weights(get_format(formats[name]).group)
     return out
+
+
+def _calibrate(graph: Graph, chunks: np.ndarray, formats: dict[str, str], awq: bool, full_grams: bool,
+               progress) -> tuple[dict, dict]:
+    """The statistics of every matmul input over ``chunks`` and, with ``awq``, the AWQ choices made on
+    them: each value's scale is searched on its full Gram as soon as its layer's statistics are
+    complete (the weights are not changed yet: the search reads none that an earlier fold
+    changes), then only the group blocks the clipping search reads are kept (``full_grams``: the
+    whole Gram, for GPTQ). ``apply_awq`` folds the choices afterwards."""
+    from ..quant.awq import awq_site, search_alpha
+    from ..quant.calibrate import collect
+
+    groups: dict[str, set[int]] = {}
+    for name, value in _weight_inputs(graph).items():
+        if name in formats:
+            groups.setdefault(value, set()).add(get_format(formats[name]).group)
+    chosen: dict[str, tuple[float, float, float]] = {}
+
+    def finish(value: str, st):
+        if awq and awq_site(graph, value, formats):
+            chosen[value] = search_alpha(graph, value, st, formats, symmetric_choice=clip_search)
+        return st if full_grams else st.reduced(groups.get(value, set()))
+
+    return collect(graph, chunks, progress=progress, finish=finish), chosen
 
 
 def act_form(weight_format: str) -> tuple[int, int] | None:

@@ -26,7 +26,7 @@ import numpy as np
 from ..ir import Graph, Node, TensorType, Weight
 from .calibrate import ActStats
 from .formats import get_format
-from .search import quantize
+from .search import SymmetricChoice, quantize
 
 ALPHAS = tuple(float(a) for a in np.round(np.arange(0.0, 1.0, 0.05), 2))
 
@@ -53,7 +53,7 @@ def apply_awq(graph: Graph, stats: dict[str, ActStats], formats: dict[str, str],
     """Search and fold a scale for every value whose consumers are all quantized ``linear``
     nodes and whose producer can absorb it. Returns what was folded (α = 0 results are skipped).
     ``chosen``: the α (and losses) of every value searched before, used instead of searching;
-    a value not in it is searched and added to it."""
+    a value not in it is searched (its statistics need the full Gram) and added to it."""
     done: list[AwqScale] = []
     for value in [v for n in graph.nodes for v in n.outputs]:
         if value.name not in stats:
@@ -63,28 +63,47 @@ def apply_awq(graph: Graph, stats: dict[str, ActStats], formats: dict[str, str],
             continue
         consumers, fold = plan
         st = stats[value.name]
-        a = np.maximum(st.abs_mean, 1e-8)
-        if fold[0] == "attention":
-            a = _per_kv_channel(a, fold[1])
-        ws = [graph.weights[n.weights[0].name].numpy_f32() for n in consumers]
         if chosen is not None and value.name in chosen:
             alpha, base_loss, loss = chosen[value.name]
         else:
-            alpha, base_loss, loss = _search_alpha(a, fold, ws, [formats[n.weights[0].name] for n in consumers],
-                                                   st.gram / max(st.tokens, 1), alphas)
+            alpha, base_loss, loss = search_alpha(graph, value.name, st, formats, alphas)
             if chosen is not None:
                 chosen[value.name] = (alpha, base_loss, loss)
         if alpha == 0.0:
             continue
-        s = _scale(a, alpha)
+        s = _scale(_channel_means(st, fold), alpha)
         s_in = _expand_kv(s, fold[1]) if fold[0] == "attention" else s
-        for n, w in zip(consumers, ws):
+        for n in consumers:                                    # one weight's float32 copy at a time
+            w = graph.weights[n.weights[0].name].numpy_f32()
             _replace(graph, n.weights[0], w * s_in[None, :].astype(np.float32))
         target = _fold(graph, fold, s)
         stats[value.name] = st.scaled(s_in)
         done.append(AwqScale(value.name, target, [n.weights[0].name for n in consumers], alpha,
                              float(base_loss), float(loss), s_in))
     return done
+
+
+def awq_site(graph: Graph, value: str, formats: dict[str, str]) -> bool:
+    """Whether ``apply_awq`` searches a scale for ``value`` (its consumers and producer allow one)."""
+    return _plan(graph, value, formats) is not None
+
+
+def search_alpha(graph: Graph, value: str, st: ActStats, formats: dict[str, str],
+                 alphas: tuple[float, ...] = ALPHAS,
+                 symmetric_choice: SymmetricChoice | None = None) -> tuple[float, float, float]:
+    """(α, loss without scaling, loss with it) of ``value`` (an ``awq_site``) on its full-Gram
+    statistics ``st``, the graph's weights as they are. ``symmetric_choice``: round-to-nearest's
+    choice between int4's two scale bases in C (``quantize``'s), the same codes as numpy's."""
+    consumers, fold = _plan(graph, value, formats)
+    ws = [graph.weights[n.weights[0].name].numpy_f32() for n in consumers]
+    return _search_alpha(_channel_means(st, fold), fold, ws, [formats[n.weights[0].name] for n in consumers],
+                         st.gram / max(st.tokens, 1), alphas, symmetric_choice)
+
+
+def _channel_means(st: ActStats, fold) -> np.ndarray:
+    """The mean |x| the scale is a power of (per KV channel when folded into attention's v)."""
+    a = np.maximum(st.abs_mean, 1e-8)
+    return _per_kv_channel(a, fold[1]) if fold[0] == "attention" else a
 
 
 def _scale(a: np.ndarray, alpha: float) -> np.ndarray:
@@ -94,26 +113,40 @@ def _scale(a: np.ndarray, alpha: float) -> np.ndarray:
 
 
 def _search_alpha(a: np.ndarray, fold: tuple, ws: list[np.ndarray], fmts: list[str], gram: np.ndarray,
-                  alphas: tuple[float, ...]) -> tuple[float, float, float]:
+                  alphas: tuple[float, ...], symmetric_choice: SymmetricChoice | None = None
+                  ) -> tuple[float, float, float]:
     """(α, loss without scaling, loss with it): the α of least output error (0: none helps)."""
-    base_loss = sum(_loss(w, fmt, np.ones(w.shape[1]), gram) for w, fmt in zip(ws, fmts))
+    base_loss = _loss(ws, fmts, np.ones(ws[0].shape[1]), gram, symmetric_choice)
     best = (base_loss, 0.0)
     for alpha in alphas:
         if alpha == 0.0:
             continue
         s = _scale(a, alpha)
         s_in = _expand_kv(s, fold[1]) if fold[0] == "attention" else s
-        loss = sum(_loss(w, fmt, s_in, gram) for w, fmt in zip(ws, fmts))
+        loss = _loss(ws, fmts, s_in, gram, symmetric_choice)
         if loss < best[0]:
             best = (loss, alpha)
     return best[1], float(base_loss), float(best[0])
 
 
-def _loss(w: np.ndarray, fmt: str, s: np.ndarray, gram: np.ndarray) -> float:
-    scaled = (w * s[None, :]).astype(np.float32)
-    deq = quantize(scaled, get_format(fmt), search=False).dequantize() / s[None, :]
-    d = (deq - w).astype(np.float64)
-    return float(np.einsum("nk,kl,nl->", d, gram, d, optimize=True))
+def _loss(ws: list[np.ndarray], fmts: list[str], s: np.ndarray, gram: np.ndarray,
+          symmetric_choice: SymmetricChoice | None = None) -> float:
+    """Σ over the consumers of tr(D G Dᵀ), D = Q(W·s)/s − W: every consumer's D stacked, one
+    float64 product with the Gram (BLAS), then each consumer's rows summed, consumers in order."""
+    ds = []
+    for w, fmt in zip(ws, fmts):
+        scaled = (w * s[None, :]).astype(np.float32)
+        quant = quantize(scaled, get_format(fmt), search=False, symmetric_choice=symmetric_choice)
+        deq = quant.dequantize() / s[None, :]
+        ds.append((deq - w).astype(np.float64))
+    d = ds[0] if len(ds) == 1 else np.concatenate(ds)
+    del ds
+    dg = d @ gram
+    total, row = 0, 0
+    for w in ws:
+        total += float(np.einsum("nl,nl->", dg[row:row + len(w)], d[row:row + len(w)]))
+        row += len(w)
+    return total
 
 
 def _plan(graph: Graph, value: str, formats: dict[str, str]):

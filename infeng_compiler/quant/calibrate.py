@@ -12,6 +12,16 @@ the Gram matrix of each step is a float32 product added to the float64 sum. Both
 reference by rounding only (docs/performance.md, *Calibration's forward in float32*, has the
 quality table).
 
+``collect`` runs the graph one segment at a time: the nodes between two points where a single
+value (the residual stream) is all that later nodes read of earlier ones. Every chunk goes through a
+segment before the next segment starts, the values crossing into it kept for all chunks
+(tokens x hidden float32), so only one segment's float32 weights and Gram sums are held at once.
+The steps, their rows and the order of every sum are those of one pass through the whole graph, so
+the statistics are the same bits. ``collect(finish=...)`` hands each value's statistics over as soon
+as its segment is done and keeps what ``finish`` returns instead: the quantize pass searches AWQ on
+the full Gram there and keeps only its group blocks (``ActStats.reduced``), which is all the
+clipping search reads.
+
 ``value_means`` is the lighter statistic the KV cache passes need: the mean row of chosen values
 (the k rows of every attention layer, for K centring).
 """
@@ -36,16 +46,60 @@ MATMUL_OPS = ("linear", "lora_linear", "logits")
 
 @dataclass
 class ActStats:
-    """Statistics of one activation value over the calibration tokens."""
+    """Statistics of one activation value over the calibration tokens: the full Gram matrix, or
+    (``reduced``) only what the clipping search reads of it."""
 
     tokens: int
     abs_mean: np.ndarray         # [K] mean |x| per channel
-    gram: np.ndarray             # [K, K] float64, sum over tokens of x xᵀ
+    gram: np.ndarray | None      # [K, K] float64, sum over tokens of x xᵀ (None once reduced)
+    #: the reduced Gram: group size G -> its diagonal blocks [ceil(K/G), G, G] (zero-padded past K),
+    #: 0 -> its diagonal [K]
+    blocks: dict[int, np.ndarray] | None = None
 
     def scaled(self, s: np.ndarray) -> ActStats:
-        """The statistics of ``x / s`` (after a per-channel scale folded into the producer)."""
+        """The statistics of ``x / s`` (after a per-channel scale folded into the producer); the
+        reduced Gram's entries are scaled as the full one's would be, the same bits."""
         inv = 1.0 / np.asarray(s, dtype=np.float64)
-        return ActStats(self.tokens, self.abs_mean * inv, self.gram * inv[:, None] * inv[None, :])
+        gram = None if self.gram is None else self.gram * inv[:, None] * inv[None, :]
+        blocks = None
+        if self.blocks is not None:
+            blocks = {}
+            for group, b in self.blocks.items():
+                if group == 0:
+                    blocks[0] = b * inv * inv
+                else:
+                    padded = np.ones(b.shape[0] * group)
+                    padded[:len(inv)] = inv
+                    rows = padded.reshape(-1, group)
+                    blocks[group] = b * rows[:, :, None] * rows[:, None, :]
+        return ActStats(self.tokens, self.abs_mean * inv, gram, blocks)
+
+    def reduced(self, groups: set[int]) -> ActStats:
+        """Only the Gram's diagonal blocks of each group size in ``groups`` (0: its diagonal)."""
+        if self.gram is None:
+            return self
+        K = self.gram.shape[0]
+        blocks = {}
+        for group in sorted(groups):
+            if group == 0:
+                blocks[0] = np.diag(self.gram).copy()
+                continue
+            ng = -(-K // group)
+            full = self.gram
+            if ng * group != K:
+                full = np.zeros((ng * group, ng * group))
+                full[:K, :K] = self.gram
+            idx = np.arange(ng)
+            blocks[group] = full.reshape(ng, group, ng, group)[idx, :, idx, :]
+        return ActStats(self.tokens, self.abs_mean, None, blocks)
+
+    def error_weights(self, group: int) -> np.ndarray:
+        """What the clipping search of a format with ``group`` (0: per row) weighs errors by: the
+        Gram / tokens, full or reduced."""
+        tokens = max(self.tokens, 1)
+        if self.gram is not None:
+            return self.gram / tokens
+        return self.blocks[group] / tokens
 
 
 def calibration_args(calib: str | Path, calib_max_bytes: int | None) -> list[str]:
@@ -86,20 +140,75 @@ def spread_chunks(chunks: np.ndarray, max_tokens: int | None) -> np.ndarray:
 
 
 def collect(graph: Graph, chunks: np.ndarray, batch: int = 8,
-            progress: Callable[[int, int], None] | None = None) -> dict[str, ActStats]:
+            progress: Callable[[int, int], None] | None = None,
+            finish: Callable[[str, ActStats], ActStats] | None = None) -> dict[str, ActStats]:
     """Run ``graph`` (float32) over ``chunks`` [n, ctx]; statistics of every matmul input value.
-    The ``logits`` node is not run: its input is counted, its result is not needed."""
+    The ``logits`` node is not run: its input is counted, its result is not needed. ``finish(name,
+    stats)``: called once per value when its statistics are complete (in the graph's order); what
+    it returns is kept instead of them. ``progress(done, total)`` counts segments x steps."""
     watched = {n.inputs[0].name for n in graph.nodes if n.op in MATMUL_OPS}
-    sums: dict[str, list] = {}
+    segments = _segments(graph, [n for n in graph.nodes if n.op != "logits"])
+    references = {"attention": causal_attention(chunks.shape[1])}
+    n, ctx = chunks.shape
+    steps = range(0, n, batch)
+    carried: list[dict[str, np.ndarray]] = [{} for _ in steps]
+    stats: dict[str, ActStats] = {}
+    for index, (nodes, carry) in enumerate(segments):
+        sums: dict[str, list] = {}
 
-    def observe(node: Node, inputs: list[np.ndarray], weights: list[np.ndarray], outputs: list[np.ndarray]) -> None:
-        for value, array in zip(node.outputs, outputs):
-            if value.name in watched:
-                _accumulate(sums, value.name, array)
+        def observe(node: Node, inputs: list[np.ndarray], weights: list[np.ndarray], outputs: list[np.ndarray]) -> None:
+            for value, array in zip(node.outputs, outputs):
+                if value.name in watched:
+                    _accumulate(sums, value.name, array)
 
-    _run_chunks(graph, [n for n in graph.nodes if n.op != "logits"], chunks, batch, observe, progress,
-                {"attention": causal_attention(chunks.shape[1])})
-    return {name: ActStats(cnt, absum / cnt, gram) for name, (cnt, absum, gram) in sums.items()}
+        interpreter = Interpreter(graph, observe, references)          # this segment's weights only
+        for i, start in enumerate(steps):
+            env = _step_env(chunks[start:start + batch]) | carried[i]
+            interpreter.run(env, _step(len(chunks[start:start + batch]), ctx), nodes)
+            carried[i] = {name: env[name] for name in carry}
+            if progress:
+                progress(index * len(steps) + i + 1, len(segments) * len(steps))
+        del interpreter
+        for node in nodes:
+            for value in node.outputs:
+                if value.name in sums:
+                    cnt, absum, gram = sums.pop(value.name)
+                    st = ActStats(cnt, absum / cnt, gram)
+                    stats[value.name] = finish(value.name, st) if finish else st
+    return stats
+
+
+def _segments(graph: Graph, nodes: list[Node]) -> list[tuple[list[Node], list[str]]]:
+    """``nodes`` cut wherever later nodes read at most one value of earlier ones (besides the
+    graph's inputs): [(a segment's nodes, the values it hands to later segments)]."""
+    inputs = {v.name for v in graph.inputs}
+    last_use: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for v in node.inputs:
+            last_use[v.name] = i
+    live: set[str] = set()
+    segments: list[tuple[list[Node], list[str]]] = []
+    start = 0
+    for i, node in enumerate(nodes):
+        live = {name for name in live if last_use.get(name, -1) > i}
+        live |= {v.name for v in node.outputs if last_use.get(v.name, -1) > i and v.name not in inputs}
+        if len(live) <= 1 and i + 1 < len(nodes):
+            segments.append((nodes[start:i + 1], sorted(live)))
+            start = i + 1
+    segments.append((nodes[start:], []))
+    return segments
+
+
+def _step_env(group: np.ndarray) -> dict[str, np.ndarray]:
+    """The graph inputs of one calibration step: ``group`` [b, ctx] chunks, each from position 0."""
+    b, ctx = group.shape
+    return {"tokens": group.reshape(-1).astype(np.int32), "positions": np.tile(np.arange(ctx, dtype=np.int32), b),
+            "adapter_slots": np.full(b * ctx, -1, np.int32)}
+
+
+def _step(b: int, ctx: int) -> Step:
+    """One calibration step of ``b`` sequences of ``ctx`` tokens, a fresh KV cache."""
+    return Step(np.repeat(np.arange(b, dtype=np.int32), ctx), np.arange(b * ctx), KVStore())
 
 
 def _accumulate(sums: dict[str, list], name: str, x: np.ndarray) -> None:
@@ -184,11 +293,6 @@ def _run_chunks(graph: Graph, nodes: list[Node], chunks: np.ndarray, batch: int,
     n, ctx = chunks.shape
     for start in range(0, n, batch):
         group = chunks[start:start + batch]
-        b = len(group)
-        tokens = group.reshape(-1).astype(np.int32)
-        step = Step(np.repeat(np.arange(b, dtype=np.int32), ctx), np.arange(len(tokens)), KVStore())
-        env: dict[str, np.ndarray] = {"tokens": tokens, "positions": np.tile(np.arange(ctx, dtype=np.int32), b),
-                                      "adapter_slots": np.full(len(tokens), -1, np.int32)}
-        interpreter.run(env, step, nodes)
+        interpreter.run(_step_env(group), _step(len(group), ctx), nodes)
         if progress:
             progress(min(start + batch, n), n)

@@ -38,7 +38,8 @@ def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
     """Quantize ``w`` [N, K] (float32) to ``fmt``.
 
     ``search`` False: one candidate, the full range (round-to-nearest). ``gram``: ``XᵀX`` [K, K]
-    of the calibration activations (or its diagonal [K]); the search then minimises output error.
+    of the calibration activations (or its diagonal [K], or its group blocks [ng, G, G] zero-padded
+    past K); the search then minimises output error.
     ``symmetric_choice``: picks among the candidates of a symmetric integer format (weighted by
     nothing, the Gram's diagonal or its group blocks) instead of numpy; the same arithmetic, faster.
     """
@@ -56,7 +57,8 @@ def quantize(w: np.ndarray, fmt: QuantFormat | str, *, search: bool = True,
     weight = _error_weights(gram, K, kp, G, ng, fmt)
     ratios = ratios if search else (1.0,)
 
-    if symmetric_choice is not None and fmt.kind == "int" and not fmt.asym and not fmt.mins and len(ratios) > 1:
+    if (symmetric_choice is not None and fmt.kind == "int" and not fmt.asym and not fmt.mins
+            and len(ratios) * (2 if fmt.bits == 4 else 1) > 1):                 # int4: two bases
         scales = np.stack(_symmetric_scales(wg, fmt, ratios))                  # [C, N, ng] storage dtype
         best = symmetric_choice(wg, scales.astype(np.float32), weight, fmt.qmin, fmt.qmax)
         best_scales = np.take_along_axis(scales, best[None], axis=0)[0]
@@ -100,6 +102,8 @@ def _error_weights(gram: np.ndarray | None, K: int, kp: int, G: int, ng: int, fm
     if gram is None:
         return None
     gram = np.asarray(gram, dtype=np.float64)
+    if gram.ndim == 3:                                           # already the group blocks [ng, G, G]
+        return gram
     if gram.ndim == 1 or fmt.group == 0:
         diag = np.diag(gram) if gram.ndim == 2 else gram
         full = np.zeros(kp)

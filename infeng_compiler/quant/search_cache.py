@@ -5,10 +5,11 @@ An entry is ``<root>/<key>.npz`` holding one ``QuantizedTensor``'s arrays. The k
 of everything the result depends on: the float32 weight bytes and shape, the format, the search
 method and its options (clipping on or off, GPTQ), the calibration Gram matrix when there is one,
 and the source of the modules that compute the result (``SEARCH_MODULES``), so a changed search
-never reads an old answer. Calibration statistics (``stats-<key>.npz``) are keyed by the graph's
-text, every weight's bytes and the calibration token ids (``stats_key``), and the AWQ scale choices
-made on them (``awq-<key>.npz``, keyed by the statistics' key and the weights' formats). Entries
-are written to a temporary name and renamed into place: two
+never reads an old answer. A calibration (``calib-<key>.npz``: the statistics as the quantize pass
+keeps them, Gram matrices reduced to their group blocks, and the AWQ scale choices made on the
+full ones) is keyed by the graph's text, every weight's bytes, the calibration token ids
+(``stats_key``), the weights' formats and whether AWQ ran and full Grams were kept
+(``calibration_key``). Entries are written to a temporary name and renamed into place: two
 compiles filling the same entry both succeed.
 """
 from __future__ import annotations
@@ -73,13 +74,14 @@ def stats_key(graph_text: str, weights: list[np.ndarray], chunks: np.ndarray) ->
     return "stats-" + h.hexdigest()
 
 
-def awq_key(stats: str, formats: dict[str, str]) -> str:
-    """The cache key of the AWQ choices made on the statistics ``stats`` (a ``stats_key``) for
-    weights quantized to ``formats`` (weight name -> format)."""
+def calibration_key(stats: str, formats: dict[str, str], awq: bool, full_grams: bool) -> str:
+    """The cache key of a calibration on the statistics ``stats`` (a ``stats_key``) for weights
+    quantized to ``formats`` (weight name -> format), with or without AWQ's choices and full Grams."""
     h = hashlib.sha256(stats.encode())
+    h.update(f"awq={awq}\0full={full_grams}\0".encode())
     for name in sorted(formats):
         h.update(f"{name}\0{formats[name]}\0".encode())
-    return "awq-" + h.hexdigest()
+    return "calib-" + h.hexdigest()
 
 
 class SearchCache:
@@ -107,45 +109,42 @@ class SearchCache:
         self._put(path, result)
         return result
 
-    def get_or_collect(self, key: str, collect: Callable[[], dict[str, ActStats]]) -> dict[str, ActStats]:
-        """Calibration statistics under ``key`` (``stats_key``), else ``collect()``'s, kept."""
+    def get_or_calibrate(self, key: str, calibrate: Callable[[], tuple[dict[str, ActStats], AwqChoices]]
+                         ) -> tuple[dict[str, ActStats], AwqChoices]:
+        """A calibration's statistics and AWQ choices under ``key`` (``calibration_key``), else
+        ``calibrate()``'s, kept."""
         if self.root is None:
-            return collect()
+            return calibrate()
         path = self.root / f"{key}.npz"
         try:
             with np.load(path, allow_pickle=False) as entry:
-                names = [str(n) for n in entry["names"]]
-                found = {name: ActStats(int(entry["tokens"][i]), entry[f"abs_mean{i}"], entry[f"gram{i}"])
-                         for i, name in enumerate(names)}
+                stats = {}
+                for i, name in enumerate(str(n) for n in entry["names"]):
+                    blocks = {int(k[len(f"blocks{i}_"):]): entry[k] for k in entry.files if k.startswith(f"blocks{i}_")}
+                    stats[name] = ActStats(int(entry["tokens"][i]), entry[f"abs_mean{i}"],
+                                           entry[f"gram{i}"] if f"gram{i}" in entry.files else None,
+                                           blocks if f"gram{i}" not in entry.files else None)
+                chosen = {str(name): (float(a), float(b), float(c))
+                          for name, (a, b, c) in zip(entry["awq_names"], entry["awq_choices"])}
             self.hits += 1
-            return found
+            return stats, chosen
         except (OSError, KeyError, ValueError):
             pass
-        stats = collect()
-        names = sorted(stats)
-        arrays: dict[str, np.ndarray] = {"names": np.array(names), "tokens": np.array([stats[n].tokens for n in names])}
+        stats, chosen = calibrate()
+        names, awq_names = sorted(stats), sorted(chosen)
+        arrays: dict[str, np.ndarray] = {"names": np.array(names), "tokens": np.array([stats[n].tokens for n in names]),
+                                         "awq_names": np.array(awq_names, dtype=str),
+                                         "awq_choices": np.array([chosen[n] for n in awq_names], np.float64)
+                                         .reshape(-1, 3)}
         for i, name in enumerate(names):
-            arrays[f"abs_mean{i}"], arrays[f"gram{i}"] = stats[name].abs_mean, stats[name].gram
+            st = stats[name]
+            arrays[f"abs_mean{i}"] = st.abs_mean
+            if st.gram is not None:
+                arrays[f"gram{i}"] = st.gram
+            for group, block in (st.blocks or {}).items():
+                arrays[f"blocks{i}_{group}"] = block
         self._write(path, arrays)
-        return stats
-
-    def awq_choices(self, key: str) -> AwqChoices:
-        """The AWQ choices kept under ``key`` (``awq_key``); empty when there are none."""
-        if self.root is None:
-            return {}
-        try:
-            with np.load(self.root / f"{key}.npz", allow_pickle=False) as entry:
-                self.hits += 1
-                return {str(name): (float(a), float(b), float(c))
-                        for name, (a, b, c) in zip(entry["names"], entry["choices"])}
-        except (OSError, KeyError, ValueError):
-            return {}
-
-    def keep_awq_choices(self, key: str, choices: AwqChoices) -> None:
-        if self.root is not None and choices:
-            names = sorted(choices)
-            self._write(self.root / f"{key}.npz", {"names": np.array(names),
-                                                   "choices": np.array([choices[n] for n in names], np.float64)})
+        return stats, chosen
 
     def _put(self, path: Path, qt: QuantizedTensor) -> None:
         codes = np.asarray(qt.codes)

@@ -61,7 +61,7 @@ def test_lora_apply(lora_lib: KernelLib, case):
     if lora_lib.isa != "scalar":
         assert template_isa(spec) != "scalar", "a SIMD target fell back to the scalar lora_apply"
     rng = np.random.default_rng(K * N + R)
-    T = 7
+    T = 23                                  # 5-11 tokens per slot: tiles of 1 to 4 rows of one adapter
     x = rng.standard_normal((T, K), dtype=np.float32)
     a = rng.standard_normal((S, R, K), dtype=np.float32)
     bt = rng.standard_normal((S, R, N), dtype=np.float32)

@@ -4,8 +4,7 @@ kernels' GOP/s are a fraction of.
     python bench/int8_peak.py --threads 1,2
 
 A tiny loop in assembly (AVX2 only, so it runs on every host the avx2 target runs on) keeps 10
-independent ymm sums busy with one instruction pattern per case, for ``--seconds``
-per round, on each of ``threads`` threads at once (one per core), and reports the best round:
+independent ymm sums busy with one instruction pattern per case, for ``--seconds`` per round, on each of ``threads`` threads at once (one per core), and reports the best round:
 
 - ``maddubs``: ``vpmaddubsw`` alone (u8 x i8 -> 16-bit pair sums: 32 multiply-adds per ymm), and
   ``madd``: ``vpmaddwd`` alone (int16 x int16 -> int32: 16 per ymm): the multiply pipes' rate;
@@ -17,8 +16,9 @@ per round, on each of ``threads`` threads at once (one per core), and reports th
   without VNNI): ``vpmaddwd`` + ``vpaddd``, 16 multiply-adds.
 
 Each JSON line: ``case``, ``threads``, ``GOP/s`` (2 ops per multiply-add, over all threads),
-``per_cycle_per_core`` (steps of the pattern per TSC cycle per core, at the TSC rate measured here: a VM's TSC runs at the nominal clock, so boost shows as more than the pipes
-allow; take it as a ratio between cases).
+``per_cycle_per_core`` (steps of the pattern per TSC cycle per core, at the TSC rate measured
+here: a VM's TSC runs at the nominal clock, so boost shows as more than the pipes allow; take it
+as a ratio between cases), ``tsc_GHz``.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ import json
 import os
 import subprocess
 import tempfile
-import time
 
 SOURCE = r"""
 #include <pthread.h>
@@ -73,7 +72,8 @@ KERNEL(run_madd, MADD)
 KERNEL(run_maddubs_addw, MADDUBS_ADDW)
 KERNEL(run_maddubs_madd_addd, MADDUBS_MADD_ADDD)
 KERNEL(run_madd_addd, MADD_ADDD)
-static void *(*const kernels[])(void *) = {run_maddubs, run_madd, run_maddubs_addw, run_maddubs_madd_addd, run_madd_addd};
+static void *(*const kernels[])(void *) = {run_maddubs, run_madd, run_maddubs_addw, run_maddubs_madd_addd,
+                                           run_madd_addd};
 
 int main(int argc, char **argv) {
     const int kind = atoi(argv[1]), threads = atoi(argv[2]);
@@ -95,8 +95,9 @@ int main(int argc, char **argv) {
 }
 """
 
-#: case -> (kind in the C switch, multiply-adds per chain step)
-CASES = {"maddubs": (0, 32), "madd": (1, 16), "maddubs+addw": (2, 32), "maddubs+madd+addd": (3, 32), "madd+addd": (4, 16)}
+#: case -> (its index in the C source's ``kernels``, multiply-adds per step of one sum)
+CASES = {"maddubs": (0, 32), "madd": (1, 16), "maddubs+addw": (2, 32), "maddubs+madd+addd": (3, 32),
+         "madd+addd": (4, 16)}
 CHAINS = 10
 
 

@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         few, most = min(by_threads), max(by_threads)
         for node, ms in by_threads[few].items():
             if by_threads[most].get(node):
-                print(json.dumps({"bench": "scaling", "node": node, "threads": [few, most],
-                                  "ms": [ms, by_threads[most][node]], "speedup": round(ms / by_threads[most][node], 2)}))
+                other = by_threads[most][node]
+                print(json.dumps({"bench": "scaling", "node": node, "threads": [few, most], "ms": [ms, other],
+                                  "speedup": round(ms / other, 2)}))
     return 0
 
 

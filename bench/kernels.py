@@ -45,7 +45,7 @@ from infeng_compiler.quant.formats import get_format, is_quantized
 #: Bytes of weights each decode pass streams (well past any last-level cache).
 STREAM_BYTES = 512 << 20
 DECODE_SHAPES = [(576, 1536), (1536, 576), (576, 49152), (2048, 8192)]   # (K, N): smollm135 mlp / logits, llama1b
-PREFILL_SHAPES = [(576, 1536), (2048, 8192)]
+PREFILL_SHAPES = [(576, 1536), (2048, 8192), (8192, 2048)]   # and llama1b's down projection
 WDTYPES = ["f16", "f32", "bf16"]
 #: Back-to-back empty jobs timed for the thread pool's per-call overhead.
 POOL_CALLS = 20000
@@ -167,12 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tile-rows", type=int, metavar="TT",
                     help="token rows per micro-tile of the integer linears (linear_q4, linear_q8) instead of "
                          "quant_kernels._TILES: to choose that table's value by measurement")
+    ap.add_argument("--item-blocks", type=int, metavar="RB",
+                    help="blocks of 16 weight rows per work item of the integer linears (the most: "
+                         "quant_kernels._item_blocks may take fewer) instead of quant_kernels._TILES")
     args = ap.parse_args(argv)
     isa = get_target(args.isa, for_running=True).name
-    if args.tile_rows:
+    if args.tile_rows or args.item_blocks:
         vocabulary = template_isa(KernelSpec.make("linear_q4", isa, K=64, N=16, wformat="q4g32"))
-        _, rb, rb_multi = quant_kernels._TILES[vocabulary]
-        quant_kernels._TILES[vocabulary] = (args.tile_rows, rb, rb_multi)
+        tt, rb, rb_multi = quant_kernels._TILES[vocabulary]
+        quant_kernels._TILES[vocabulary] = (args.tile_rows or tt, args.item_blocks or rb, rb_multi)
     wdtypes = args.wdtypes.split(",")
     wanted = {tuple(map(int, s.split("x"))) for s in args.shapes.split(",")} if args.shapes else None
     shapes = [s for s in sorted(set(DECODE_SHAPES) | set(PREFILL_SHAPES)) if wanted is None or s in wanted]
@@ -191,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         pools = {threads: lib.ife_pool_create(threads) for threads in map(int, args.threads.split(","))}
         try:
             for threads, pool in pools.items():
-                common = {"threads": threads, "isa": isa, **({"tile_rows": args.tile_rows} if args.tile_rows else {})}
+                common = {"threads": threads, "isa": isa, **({"tile_rows": args.tile_rows} if args.tile_rows else {}),
+                          **({"item_blocks": args.item_blocks} if args.item_blocks else {})}
                 probe = data["f32"]
                 cases.append(Case({"kernel": "read_probe", "shape": f"{probe.nbytes >> 20}MiB", "T": 0, **common},
                                   functools.partial(lib.ife_bench_read, pool, ptr(probe), probe.size // 16),

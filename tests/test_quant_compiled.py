@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from infeng_compiler.codegen.lower import ROW_SPLIT_MIN_T
 from infeng_compiler.compile import CompileOptions, compile_model
 from infeng_compiler.frontends.hf import import_hf
 from infeng_compiler.interp import Interpreter
@@ -65,6 +66,21 @@ def test_compiled_matches_interpreter(artifacts, stories_dir, preset: str, targe
     # the same tokens one at a time (decode path: T = 1) give the same logits
     steps = [engine.step(ids[i:i + 1], np.array([i], np.int32), np.array([1], np.int32)) for i in range(n)]
     assert np.abs(np.concatenate(steps) - prefill).max() / np.abs(ref).max() <= TOLERANCE[preset]
+
+
+def test_prefill_rows_split_over_threads_keep_their_bits(artifacts) -> None:
+    """A prefill of at least ROW_SPLIT_MIN_T rows splits the row-wise kernels (norms, quantize_act,
+    RoPE, elementwise ops, split copies) over the pool's threads: every row's logits keep the bits
+    of one thread's call."""
+    artifact = artifacts("int4")
+    assert "ife_row_range" in (artifact / "src" / "model.c").read_text()
+    n = ROW_SPLIT_MIN_T + 37
+    logits = []
+    for threads in (1, 2):
+        engine = Engine(artifact, threads=threads, max_seqs=1)
+        ids = np.random.default_rng(0).integers(0, engine.vocab_size, size=n).astype(np.int32)
+        logits.append(engine.step(ids, np.arange(n, dtype=np.int32), np.zeros(n, np.int32), np.arange(n)))
+    assert np.array_equal(logits[0], logits[1])
 
 
 def test_manifest_records_quantization(artifacts) -> None:

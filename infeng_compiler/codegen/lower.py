@@ -15,6 +15,7 @@ from infeng_common.errors import InfengError, UnsupportedError
 
 from ..ir import Graph, Node, Value, Weight
 from ..ir.ops import attention_weights, rope_inv_freq
+from ..quant.act import act_row_layout
 from ..quant.formats import get_format, is_quantized
 from ..quant.kv import QUANTIZED, attention_kv_formats, layer_block_bytes, plain_f32
 from . import quant_kernels  # noqa: F401  (registers the quantized kernels)
@@ -38,6 +39,34 @@ class WeightSlot:
     nbytes: int
 
 
+#: Token rows from which a row-wise kernel's call splits its rows over the pool's threads
+#: (model.c.j2's ife_row_range); fewer rows (decode, small batches) call it once.
+ROW_SPLIT_MIN_T = 64
+
+
+def row_bytes(spec: KernelSpec) -> tuple[int, ...]:
+    """For a kernel that takes no pool and computes each token row from that row alone (norms,
+    activation quantization, elementwise ops, a split's column copies, RoPE): bytes per token row
+    of each of its arguments (0 for one that is not a row matrix: ``T``, a norm's weights); () for
+    any other kernel. Its rows split over the pool's threads give the same bits as one call."""
+    f = 4                                            # bytes per float
+    if spec.op == "rms_norm":
+        return (f * spec["H"], 0, 0, f * spec["H"])
+    if spec.op == "layer_norm":
+        return (f * spec["H"], 0, 0, 0, f * spec["H"])
+    if spec.op == "quantize_act":
+        return (f * spec["K"], 0, act_row_layout(spec["K"], spec["bits"])["row_bytes"])
+    if spec.op in ("silu_mul", "add"):
+        return (f * spec["N"], f * spec["N"], 0, f * spec["N"])
+    if spec.op == "gelu":
+        return (f * spec["N"], 0, f * spec["N"])
+    if spec.op == "copy_cols":
+        return (f * spec["IN"], 0, f * spec["WIDTH"])
+    if spec.op == "rope":
+        return (f * spec["n_heads"] * spec["head_dim"], 0, 4)      # positions: one int32 per row
+    return ()
+
+
 @dataclass
 class Call:
     """One kernel call of the forward step, with the IR line it implements."""
@@ -48,6 +77,8 @@ class Call:
     code: str = ""               # used instead of a kernel call when spec is None
     guard: str = ""              # C condition the call runs under, if any
     node: int = 0                # index of the IR node (and of its profile entry)
+    rows: tuple[int, ...] = ()   # row-wise kernel: bytes per token row of each argument (0: not a row matrix)
+    row_job: int = -1            # its case in model.c's ife_row_range
 
 
 @dataclass
@@ -175,7 +206,7 @@ class _Lowering:
              "n_kv_heads": attn[0].attrs["n_kv_heads"] if attn else 0,
              "head_dim": attn[0].attrs["head_dim"] if attn else 0,
              "lora_slots": self.lora_shape[0], "lora_rank": self.lora_shape[1], "lora_sites": self.lora_sites,
-             "kv_layers": self.kv_layers, **self.expert_constants()},
+             "kv_layers": self.kv_layers, "row_split_min_t": ROW_SPLIT_MIN_T, **self.expert_constants()},
             profile)
 
     def expert_constants(self) -> dict[str, Any]:
@@ -210,7 +241,11 @@ class _Lowering:
         raise UnsupportedError(f"codegen has no kernel for op {n.op!r} ({comment})")
 
     def emit(self, spec: KernelSpec | None, args: list[str], comment: str, code: str = "", guard: str = "") -> None:
-        self.calls.append(Call(spec, args, comment, code, guard, self.node))
+        rows = row_bytes(spec) if spec is not None and "T" in args else ()
+        if rows and len(rows) != len(args):
+            raise InfengError(f"codegen: {spec.op} takes {len(rows)} arguments per row_bytes, the call {len(args)}")
+        job = sum(1 for c in self.calls if c.rows) if rows else -1
+        self.calls.append(Call(spec, args, comment, code, guard, self.node, rows, job))
 
     # -- one method per op ----------------------------------------------------------------
     def lower_embedding(self, n: Node, comment: str) -> None:

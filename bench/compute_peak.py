@@ -12,6 +12,9 @@ per token is only fast or slow against it.
 | ``f32-fma-ymm`` | ``vfmadd231ps`` ymm (AVX2 + FMA: what f16/bf16/f32 linears issue on avx2) | 8 |
 | ``f32-fma-zmm`` | ``vfmadd231ps`` zmm (AVX-512F) | 16 |
 | ``bf16-dot-zmm`` | ``vdpbf16ps`` zmm (AVX-512 BF16) | 32 |
+| ``u8i8-maddubs-only-ymm`` | ``vpmaddubsw`` alone (the multiply pipes' rate, u8 x i8) | 32 |
+| ``i16-madd-only-ymm`` | ``vpmaddwd`` alone (the multiply pipes' rate, i16 x i16) | 16 |
+| ``u4i8-maddubs-addw-ymm`` | ``vpmaddubsw`` + ``vpaddw`` (``linear_q4``'s step without VNNI: 16-bit partial sums) | 32 per pair |
 | ``i8-maddubs-ymm`` | ``vpmaddubsw`` + ``vpmaddwd`` + ``vpaddd`` ymm (int8 dot steps without VNNI) | 32 per triple |
 | ``i16-madd-ymm`` | ``vpmaddwd`` + ``vpaddd`` ymm (int8 weights x int16 activations) | 16 per pair |
 | ``i8-vnni-zmm`` | ``vpdpbusd`` zmm (AVX-512 VNNI) | 64 |
@@ -39,6 +42,10 @@ PROBES: dict[str, tuple[set[str], str, str, int]] = {
     "f32-fma-ymm": ({"avx2", "fma"}, "ymm", "vfmadd231ps %%ymm14, %%ymm15, %%ymm{a}", 8),
     "f32-fma-zmm": ({"avx512f"}, "zmm", "vfmadd231ps %%zmm14, %%zmm15, %%zmm{a}", 16),
     "bf16-dot-zmm": ({"avx512f", "avx512_bf16"}, "zmm", "vdpbf16ps %%zmm14, %%zmm15, %%zmm{a}", 32),
+    "u8i8-maddubs-only-ymm": ({"avx2"}, "ymm", "vpmaddubsw %%ymm14, %%ymm{a}, %%ymm{a}", 32),
+    "i16-madd-only-ymm": ({"avx2"}, "ymm", "vpmaddwd %%ymm14, %%ymm{a}, %%ymm{a}", 16),
+    "u4i8-maddubs-addw-ymm": ({"avx2"}, "ymm", "vpmaddubsw %%ymm14, %%ymm15, %%ymm{t}; "
+                              "vpaddw %%ymm{t}, %%ymm{a}, %%ymm{a}", 32),
     "i8-maddubs-ymm": ({"avx2"}, "ymm", "vpmaddubsw %%ymm14, %%ymm15, %%ymm{t}; "
                        "vpmaddwd %%ymm13, %%ymm{t}, %%ymm{t}; vpaddd %%ymm{t}, %%ymm{a}, %%ymm{a}", 32),
     "i16-madd-ymm": ({"avx2"}, "ymm", "vpmaddwd %%ymm14, %%ymm15, %%ymm{t}; vpaddd %%ymm{t}, %%ymm{a}, %%ymm{a}", 16),

@@ -145,7 +145,7 @@ def test_linear(klib: KernelLib, K: int, N: int, wdtype: str):
 def test_linear_dot_tile_rows_do_not_depend_on_the_row_count(klib: KernelLib, K: int, N: int, wdtype: str):
     """From 2 token rows up to the packed GEMM (2 <= T < GEMM_MIN_T: batched decode, speculative
     verification) a token row's outputs are the same bits whatever the step's row count. (T = 1
-    sums in GEMV_UNROLL chains, so its last bits may differ: docs/codegen.md.)"""
+    sums in GEMV_UNROLL chains, or GEMV_ROWS rows at once, so its last bits may differ: docs/codegen.md.)"""
     spec = KernelSpec.make("linear", klib.isa, K=K, N=N, wdtype=wdtype)
     rng = np.random.default_rng(K + N)
     stored, _ = weights(rng, (N, K), wdtype)

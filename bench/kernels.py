@@ -44,7 +44,8 @@ from infeng_compiler.quant.formats import get_format, is_quantized
 
 #: Bytes of weights each decode pass streams (well past any last-level cache).
 STREAM_BYTES = 512 << 20
-DECODE_SHAPES = [(576, 1536), (1536, 576), (576, 49152), (2048, 8192)]   # (K, N): smollm135 mlp / logits, llama1b
+DECODE_SHAPES = [(576, 1536), (1536, 576), (576, 49152), (2048, 8192), (2048, 2048), (2048, 3072), (8192, 2048)]
+# (K, N): smollm135 mlp / logits; llama1b gate or up, o_proj, fused qkv, down
 PREFILL_SHAPES = [(576, 1536), (2048, 8192), (8192, 2048)]   # and llama1b's down projection
 WDTYPES = ["f16", "f32", "bf16"]
 #: Back-to-back empty jobs timed for the thread pool's per-call overhead.

@@ -31,7 +31,7 @@ F32_TOL = 1e-5            # max abs error / max |reference|, as tests/test_kerne
 BF16_TOL = 2e-2
 # (K, N): K not a multiple of a tile's 32 (bf16) or 16 (f16) k, N not of 16 columns; K = 600 spans
 # several packed k blocks (512 k for bf16, 128 for f16), N = 72 several work items
-SHAPES = [(72, 40), (172, 49), (600, 72)]
+SHAPES = [(72, 40), (172, 49), (600, 72), (8200, 21)]      # 8200: the T = 1 path of GEMV_ROWS rows
 TOKENS = [1, AMX_MIN_T - 1, AMX_MIN_T, 17, 33]
 WDTYPES = ["bf16", "f16"]
 ISAS = [

@@ -30,7 +30,7 @@ RUNNABLE = runnable_targets(HOST)
 F32_TOL = 1e-5            # max abs error / max |reference|
 BF16_DOT_TOL = 2e-2
 
-LINEAR_SHAPES = [(64, 40), (172, 49), (576, 96), (1100, 72)]      # (K, N): remainders, K > one packed block
+LINEAR_SHAPES = [(64, 40), (172, 49), (576, 96), (1100, 72), (8200, 21)]   # (K, N): remainders, K > one packed block, x rows long enough for GEMV_ROWS
 LINEAR_TOKENS = [1, 2, 3, 5, 8, 17, 70]     # T=1 rows, dot tiles of 2..6 rows, packed GEMM
 WDTYPES = ["f32", "f16", "bf16"]
 NORM_SIZES = [576, 37]
@@ -145,7 +145,7 @@ def test_linear(klib: KernelLib, K: int, N: int, wdtype: str):
 def test_linear_dot_tile_rows_do_not_depend_on_the_row_count(klib: KernelLib, K: int, N: int, wdtype: str):
     """From 2 token rows up to the packed GEMM (2 <= T < GEMM_MIN_T: batched decode, speculative
     verification) a token row's outputs are the same bits whatever the step's row count. (T = 1
-    sums in GEMV_UNROLL chains, so its last bits may differ: docs/codegen.md.)"""
+    sums in GEMV_UNROLL chains, or GEMV_ROWS rows at once, so its last bits may differ: docs/codegen.md.)"""
     spec = KernelSpec.make("linear", klib.isa, K=K, N=N, wdtype=wdtype)
     rng = np.random.default_rng(K + N)
     stored, _ = weights(rng, (N, K), wdtype)
@@ -162,6 +162,25 @@ def test_linear_dot_tile_rows_do_not_depend_on_the_row_count(klib: KernelLib, K:
     together = run(x)
     for t0, t1 in [(0, 2), (1, 4), (3, 8), (2, 7), (9, n_rows - 1), (n_rows - 2, n_rows), (4, n_rows)]:
         assert np.array_equal(run(x[t0:t1]), together[t0:t1]), (klib.isa, wdtype, K, N, t0, t1)
+
+@pytest.mark.parametrize("wdtype", WDTYPES)
+def test_linear_gemv_rows_do_not_depend_on_the_split(klib: KernelLib, wdtype: str):
+    """T = 1 with a long x row reads GEMV_ROWS weight rows at once; a thread's range can end inside
+    a group, and every row must still be summed the same way: the same bits for 1, 2 and 3 threads."""
+    K, N = LINEAR_SHAPES[-1]
+    spec = KernelSpec.make("linear", klib.isa, K=K, N=N, wdtype=wdtype)
+    rng = np.random.default_rng(11)
+    stored, _ = weights(rng, (N, K), wdtype)
+    x = rng.standard_normal((1, K), dtype=np.float32)
+    results = []
+    for threads in (1, 2, 3):
+        pool = klib.ffi.gc(klib.lib.ife_pool_create(threads), klib.lib.ife_pool_destroy)
+        y = np.full((1, N), np.nan, dtype=np.float32)
+        klib.fn(spec)(pool, klib.ptr(x), 1, klib.ptr(stored, weight_ctype(wdtype)), klib.ffi.NULL, klib.ptr(y))
+        results.append(y)
+    for y in results[1:]:
+        np.testing.assert_array_equal(y, results[0])
+
 
 def test_pool_threads(klib: KernelLib):
     """Work stealing gives every pool size the same bits: 1 thread, 2, and more threads than CPUs

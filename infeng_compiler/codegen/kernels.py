@@ -180,6 +180,14 @@ _DOT_PF_L1_BYTES = 3 * _L1_BYTES // 4
 #: differ between T = 1 and T >= 2: summing T = 1 their way (one or two rows per FMA chain) ran
 #: 1.1-1.7x slower per call (576x1536 and 2048x8192 f16 from DRAM, interleaved A/B, 1 thread).
 _GEMV_UNROLL = 4
+#: ... but where x's row takes at least half of L1 (f32 x from K = 4096), T = 1 reads this many
+#: weight rows at once, one accumulator each (k order, as the dot tiles): one row at a time x no
+#: longer stays in L1 against the streamed weights, and its reloads from L2 take the L1 miss slots
+#: the weight stream needs. f16 8192x2048 from DRAM (bench/gemv_variants.py, Zen 4): 1 thread
+#: 10.2 -> 23.9 GB/s (AVX-512), 8.8 -> 21.1 (AVX2); 2 threads 20.3 -> 31.8 and 15.6 -> 33.0. At
+#: K = 2048 one row at a time stays ahead (24 GB/s against 20 for 8 rows, 1 thread).
+_GEMV_ROWS = 8
+_GEMV_ROWS_MIN_X_BYTES = _L1_BYTES // 2
 #: Largest k depth of a packed block: an MR x KC tile of x stays in L1 (8 x 512 x 4 B = 16 KiB).
 _GEMM_MAX_KC = 512
 #: Work items per matrix the packed path aims for, so that threads get balanced ranges.
@@ -221,8 +229,10 @@ def _plan_linear(p: dict[str, Any], isa: str) -> dict[str, Any]:
     # a packed block of NC x KC f32 takes at most a quarter of L2
     nc_in_l2 = max(nr, _L2_BYTES // 4 // (kc * 4) // nr * nr)
     nc = min(nc_in_l2, _round_up(-(-N // _GEMM_MIN_ITEMS), nr))
+    x_row_bytes = _round_up(K, k_chunk) * 2 if isa == "avx512-bf16" else K * 4   # x as the T = 1 path reads it
     return {
-        "gemv_unroll": _GEMV_UNROLL, "dot_rows": tiles.dot_rows, "dot_tokens": tiles.dot_tokens,
+        "gemv_unroll": _GEMV_UNROLL, "gemv_rows": _GEMV_ROWS if x_row_bytes >= _GEMV_ROWS_MIN_X_BYTES else 1,
+        "dot_rows": tiles.dot_rows, "dot_tokens": tiles.dot_tokens,
         "gemv_block": _round_up(rows_in_l1, tiles.dot_rows), "pf_l1_bytes": _DOT_PF_L1_BYTES,
         "k_tail": K % k_chunk, "bf16_dot": isa == "avx512-bf16",
         "gemm_min_t": _GEMM_MIN_T, "mr": tiles.mr, "nr": nr, "kc": kc, "nc": nc, "amx": False,

@@ -237,9 +237,8 @@ void set_threads(int threads) {
         pthread_create(&worker, NULL, worker_main, NULL);
 }
 
-/* best seconds over reps of one pass of variant over every copy */
-double time_gemv(int variant, const uint16_t *w, const float *x, float *y, int K, int N, int copies, int reps) {
-    the_job = (struct job){.kind = 0, .variant = variant, .K = K, .N = N, .copies = copies, .w = w, .x = x, .y = y};
+/* best seconds over reps of the_job */
+static double best_of(int reps) {
     double best = 1e30;
     for (int i = 0; i < reps; i++) {
         double t = run_job();
@@ -249,13 +248,13 @@ double time_gemv(int variant, const uint16_t *w, const float *x, float *y, int K
     return best;
 }
 
+/* best seconds over reps of one pass of variant over every copy */
+double time_gemv(int variant, const uint16_t *w, const float *x, float *y, int K, int N, int copies, int reps) {
+    the_job = (struct job){.kind = 0, .variant = variant, .K = K, .N = N, .copies = copies, .w = w, .x = x, .y = y};
+    return best_of(reps);
+}
+
 double time_read(const char *p, size_t n, int S, int PF, int reps) {
     the_job = (struct job){.kind = 1, .p = p, .n = n, .S = S, .PF = PF};
-    double best = 1e30;
-    for (int i = 0; i < reps; i++) {
-        double t = run_job();
-        if (t < best)
-            best = t;
-    }
-    return best;
+    return best_of(reps);
 }

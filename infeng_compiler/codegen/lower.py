@@ -332,14 +332,10 @@ class _Lowering:
                   guard=f"T >= {below}" if below else "")
 
     def lower_lora_linear(self, n: Node, comment: str) -> None:
-        """The base product, then each token's adapter delta from its slot (``lora_apply``). The base
-        linear prefetches the matrices the deltas will read (``ife_lora_ahead`` in model.c)."""
+        """The base product, then each token's adapter delta from its slot (``lora_apply``)."""
+        self.lower_linear(n, comment)
         w, a = n.weights[0], n.attrs
         site = a["site"]
-        self.emit(None, [], comment + "  [adapter matrices for the base linear to prefetch]",
-                  code=f"ife_lora_ahead(m, {site}, adapter_slots, T);")
-        self.lower_linear(n, comment)
-        self.emit(None, [], comment + "  [nothing more to prefetch]", code="ife_ahead_next = NULL;")
         self.lora_sites.append({"site": site, "target": a["target"], "in": w.type.shape[1], "out": w.type.shape[0]})
         self.lora_shape = (a["max_adapters"], a["max_rank"])
         spec = self.spec("lora_apply", K=w.type.shape[1], N=w.type.shape[0], R=a["max_rank"],

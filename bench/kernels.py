@@ -44,8 +44,9 @@ from infeng_compiler.quant.formats import get_format, is_quantized
 
 #: Bytes of weights each decode pass streams (well past any last-level cache).
 STREAM_BYTES = 512 << 20
-DECODE_SHAPES = [(576, 1536), (1536, 576), (576, 49152), (2048, 8192), (2048, 16384), (2048, 2048), (2048, 3072), (8192, 2048)]
-# (K, N): smollm135 mlp / logits; llama1b gate or up, fused gate/up, o_proj, fused qkv, down
+DECODE_SHAPES = [(576, 1536), (1536, 576), (576, 49152), (2048, 8192), (2048, 16384), (2048, 2048), (2048, 3072), (8192, 2048),
+                 (2048, 49152)]
+# (K, N): smollm135 mlp / logits; llama1b gate or up, fused gate/up, o_proj, fused qkv, down, logits
 PREFILL_SHAPES = [(576, 1536), (2048, 8192), (8192, 2048)]   # and llama1b's down projection
 WDTYPES = ["f16", "f32", "bf16"]
 #: Back-to-back empty jobs timed for the thread pool's per-call overhead.
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         tt, rb, rb_multi = quant_kernels._TILES[vocabulary]
         quant_kernels._TILES[vocabulary] = (args.tile_rows or tt, args.item_blocks or rb, rb_multi)
     if args.gemv_prefetch is not None:
-        quant_kernels.GEMV_PREFETCH_BYTES = quant_kernels.GEMV_PREFETCH_BYTES_INT8 = args.gemv_prefetch
+        quant_kernels.GEMV_PREFETCH_BYTES = args.gemv_prefetch
+        quant_kernels.GEMV_PREFETCH_BYTES_INT8 = dict.fromkeys(quant_kernels.GEMV_PREFETCH_BYTES_INT8, args.gemv_prefetch)
     wdtypes = args.wdtypes.split(",")
     wanted = {tuple(map(int, s.split("x"))) for s in args.shapes.split(",")} if args.shapes else None
     shapes = [s for s in sorted(set(DECODE_SHAPES) | set(PREFILL_SHAPES)) if wanted is None or s in wanted]

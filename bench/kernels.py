@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                          "quant_kernels._item_blocks may take fewer) instead of quant_kernels._TILES")
     ap.add_argument("--gemv-prefetch", type=int, metavar="BYTES",
                     help="software prefetch distance of the int4 and int8 streamed paths (T <= STREAM_T) "
-                         "instead of quant_kernels.GEMV_PREFETCH_BYTES(_INT8): to choose them by measurement")
+                         "instead of quant_kernels.GEMV_PREFETCH_BYTES(_INT8, _INT8_ONE_ROW): to choose them "
+                         "by measurement")
     args = ap.parse_args(argv)
     isa = get_target(args.isa, for_running=True).name
     if args.tile_rows or args.item_blocks:
@@ -182,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         tt, rb, rb_multi = quant_kernels._TILES[vocabulary]
         quant_kernels._TILES[vocabulary] = (args.tile_rows or tt, args.item_blocks or rb, rb_multi)
     if args.gemv_prefetch is not None:
-        quant_kernels.GEMV_PREFETCH_BYTES = args.gemv_prefetch
-        quant_kernels.GEMV_PREFETCH_BYTES_INT8 = dict.fromkeys(quant_kernels.GEMV_PREFETCH_BYTES_INT8, args.gemv_prefetch)
+        quant_kernels.GEMV_PREFETCH_BYTES = quant_kernels.GEMV_PREFETCH_BYTES_INT8 = args.gemv_prefetch
+        quant_kernels.GEMV_PREFETCH_BYTES_INT8_ONE_ROW = dict.fromkeys(quant_kernels.GEMV_PREFETCH_BYTES_INT8_ONE_ROW,
+                                                                       args.gemv_prefetch)
     wdtypes = args.wdtypes.split(",")
     wanted = {tuple(map(int, s.split("x"))) for s in args.shapes.split(",")} if args.shapes else None
     shapes = [s for s in sorted(set(DECODE_SHAPES) | set(PREFILL_SHAPES)) if wanted is None or s in wanted]

@@ -45,8 +45,9 @@ GEMV_PREFETCH_BYTES_INT8 = 2048
 #: The int8 streamed path's distance for one token row (decode), by vocabulary. AVX2 (Zen 4 running
 #: the avx2 target, q8r 2048x2048 and 8192x2048 from DRAM, T = 1, two rounds): one thread streamed
 #: 28-31 GB/s at 512 bytes, 21-25 at 1024 and 2048, 23-27 at 4096; two threads 31-35 at every
-#: distance. Several token rows consume a block more slowly and keep GEMV_PREFETCH_BYTES_INT8: at
-#: 512 bytes T = 4 ran 0.74-0.83x as fast (`bench/kernels.py --gemv-prefetch`, docs/performance.md).
+#: distance (two later holds: 512 and 2048 level). Several token rows consume a block more slowly
+#: and keep GEMV_PREFETCH_BYTES_INT8: at 512 bytes T = 4 ran 0.74-0.83x as fast, at 2048 as main
+#: (`bench/kernels.py --gemv-prefetch`, docs/performance.md).
 GEMV_PREFETCH_BYTES_INT8_ONE_ROW = {"scalar": 2048, "avx2": 512, "avx512": 2048, "amx": 2048}
 #: Token rows up to which the int4/int8 AVX-512 kernels stream each weight block once with that prefetch
 #: (stream_block, in passes of at most 8 rows and of even size) instead of running micro-tiles. The

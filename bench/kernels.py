@@ -44,8 +44,9 @@ from infeng_compiler.quant.formats import get_format, is_quantized
 
 #: Bytes of weights each decode pass streams (well past any last-level cache).
 STREAM_BYTES = 512 << 20
-DECODE_SHAPES = [(576, 1536), (1536, 576), (576, 49152), (2048, 8192), (2048, 2048), (2048, 3072), (8192, 2048)]
-# (K, N): smollm135 mlp / logits; llama1b gate or up, o_proj, fused qkv, down
+DECODE_SHAPES = [(576, 1536), (1536, 576), (576, 49152), (2048, 8192), (2048, 16384), (2048, 2048), (2048, 3072), (8192, 2048),
+                 (2048, 49152)]
+# (K, N): smollm135 mlp / logits; llama1b gate or up, fused gate/up, o_proj, fused qkv, down, logits
 PREFILL_SHAPES = [(576, 1536), (2048, 8192), (8192, 2048)]   # and llama1b's down projection
 WDTYPES = ["f16", "f32", "bf16"]
 #: Back-to-back empty jobs timed for the thread pool's per-call overhead.
@@ -171,12 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--item-blocks", type=int, metavar="RB",
                     help="blocks of 16 weight rows per work item of the integer linears (the most: "
                          "quant_kernels._item_blocks may take fewer) instead of quant_kernels._TILES")
+    ap.add_argument("--gemv-prefetch", type=int, metavar="BYTES",
+                    help="software prefetch distance of the int4 and int8 streamed paths (T <= STREAM_T) "
+                         "instead of quant_kernels.GEMV_PREFETCH_BYTES(_INT8, _INT8_ONE_ROW): to choose them "
+                         "by measurement")
     args = ap.parse_args(argv)
     isa = get_target(args.isa, for_running=True).name
     if args.tile_rows or args.item_blocks:
         vocabulary = template_isa(KernelSpec.make("linear_q4", isa, K=64, N=16, wformat="q4g32"))
         tt, rb, rb_multi = quant_kernels._TILES[vocabulary]
         quant_kernels._TILES[vocabulary] = (args.tile_rows or tt, args.item_blocks or rb, rb_multi)
+    if args.gemv_prefetch is not None:
+        quant_kernels.GEMV_PREFETCH_BYTES = quant_kernels.GEMV_PREFETCH_BYTES_INT8 = args.gemv_prefetch
+        quant_kernels.GEMV_PREFETCH_BYTES_INT8_ONE_ROW = dict.fromkeys(quant_kernels.GEMV_PREFETCH_BYTES_INT8_ONE_ROW,
+                                                                       args.gemv_prefetch)
     wdtypes = args.wdtypes.split(",")
     wanted = {tuple(map(int, s.split("x"))) for s in args.shapes.split(",")} if args.shapes else None
     shapes = [s for s in sorted(set(DECODE_SHAPES) | set(PREFILL_SHAPES)) if wanted is None or s in wanted]
@@ -196,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for threads, pool in pools.items():
                 common = {"threads": threads, "isa": isa, **({"tile_rows": args.tile_rows} if args.tile_rows else {}),
-                          **({"item_blocks": args.item_blocks} if args.item_blocks else {})}
+                          **({"item_blocks": args.item_blocks} if args.item_blocks else {}),
+                          **({"gemv_prefetch": args.gemv_prefetch} if args.gemv_prefetch is not None else {})}
                 probe = data["f32"]
                 cases.append(Case({"kernel": "read_probe", "shape": f"{probe.nbytes >> 20}MiB", "T": 0, **common},
                                   functools.partial(lib.ife_bench_read, pool, ptr(probe), probe.size // 16),

@@ -42,6 +42,13 @@ GEMV_PREFETCH_BYTES = 512
 #: 850 / 768 us for q8g32 576x49152 at T = 1 (2 threads, Zen 5, same run, loaded machine); q8r
 #: within noise of one another.
 GEMV_PREFETCH_BYTES_INT8 = 2048
+#: The int8 streamed path's distance for one token row (decode), by vocabulary. AVX2 (Zen 4 running
+#: the avx2 target, q8r 2048x2048 and 8192x2048 from DRAM, T = 1, two rounds): one thread streamed
+#: 28-31 GB/s at 512 bytes, 21-25 at 1024 and 2048, 23-27 at 4096; two threads 31-35 at every
+#: distance (two later holds: 512 and 2048 level). Several token rows consume a block more slowly
+#: and keep GEMV_PREFETCH_BYTES_INT8: at 512 bytes T = 4 ran 0.74-0.83x as fast, at 2048 as main
+#: (`bench/kernels.py --gemv-prefetch`, docs/performance.md).
+GEMV_PREFETCH_BYTES_INT8_ONE_ROW = {"scalar": 2048, "avx2": 512, "avx512": 2048, "amx": 2048}
 #: Token rows up to which the int4/int8 AVX-512 kernels stream each weight block once with that prefetch
 #: (stream_block, in passes of at most 8 rows and of even size) instead of running micro-tiles. The
 #: micro-tiles read without the prefetch, so a 9-row step cost 2-2.5x an 8-row one; streamed, 9-16
@@ -93,6 +100,8 @@ def _weight_plan(p: dict[str, Any], isa: str) -> dict[str, Any]:
             "zeros_offset": codes + ROWS_PER_BLOCK * ng * fmt.scale_dtype.itemsize,
             "n_blocks": -(-N // ROWS_PER_BLOCK), "tt": tt, "rb": rb, "rb_multi": rb_multi, "prefetch": PREFETCH_BYTES,
             "gemv_prefetch": GEMV_PREFETCH_BYTES_INT8 if fmt.kind == "int" and fmt.bits == 8 else GEMV_PREFETCH_BYTES,
+            "gemv_prefetch_one_row": GEMV_PREFETCH_BYTES_INT8_ONE_ROW[isa] if fmt.kind == "int" and fmt.bits == 8
+            else GEMV_PREFETCH_BYTES,
             "stream_t": STREAM_T, "stream_tile": STREAM_TILE[isa], "f8_phases": F8_PHASES, "seg_groups": fmt.segment_groups, "seg_bytes": fmt.segment_bytes(fmt.segment_groups),
             "group_code_bytes": fmt.group_code_bytes}
     if fmt.kind == "int":

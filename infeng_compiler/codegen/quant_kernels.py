@@ -232,9 +232,11 @@ _MXFP4_TT = {"scalar": 1, "avx2": 2, "avx512": 4}
 #: Measured with CPU time (the dev machine was shared), K x N = 2880 x 5760.
 MXFP4_GEMV_ROWS = 1
 MXFP4_TILE_ROWS = 2
-#: Software prefetch distance of the MXFP4 AVX-512 kernel along each weight row, bytes (0: none):
-#: 256-1024 within noise of none on the shared dev machine; 512 as the int4 decode kernel.
-MXFP4_PREFETCH_BYTES = 512
+#: Software prefetch distance of the MXFP4 vector kernels along each weight row, bytes (0: none):
+#: 256-1024 within noise of none on the shared dev machine (AVX-512); on the 2-core Zen 4 VM, T = 1
+#: against 512: avx2 0.84x the time at 1 thread and 0.88x at 2 with 2048 (1024: 0.79x, 0.97x),
+#: avx512-vnni 0.97-0.98x (docs/performance.md, the GPT-OSS-20B shape on the AVX2 class).
+MXFP4_PREFETCH_BYTES = 2048
 #: Activation forms of the MXFP4 linear: f32 (exact, the default) or int8 rows in blocks of 32.
 MXFP4_ACTS = ("f32", "q8")
 
